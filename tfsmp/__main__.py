@@ -1,0 +1,5 @@
+import sys
+
+from tfsmp.launch.cli import main
+
+sys.exit(main())

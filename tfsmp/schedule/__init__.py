@@ -1,0 +1,1 @@
+"""tfsmp.schedule"""
