@@ -58,7 +58,12 @@ __all__ = [
 ]
 
 
+_SUBMODULES = ("core", "config", "topology", "estimator")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # SMP scripts call smp.core.barrier()
+        return importlib.import_module(f"tfsmp.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tfsmp' has no attribute '{name}'")

