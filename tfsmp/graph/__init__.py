@@ -1,1 +1,39 @@
-"""tfsmp.graph"""
+"""The layer graph (pure IR) and, imported lazily, the Keras tracer, cost model and deferred init.
+
+``import tfsmp.graph`` and ``tfsmp.graph.ir`` import neither TensorFlow nor Keras; the names
+below that need them resolve on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo
+
+# public name -> module that defines it (these import Keras/TensorFlow)
+_LAZY: dict[str, str] = {
+    "Call": "tfsmp.graph.tracer",
+    "TracedModel": "tfsmp.graph.tracer",
+    "trace": "tfsmp.graph.tracer",
+    "profile": "tfsmp.graph.costs",
+    "deferred_scope": "tfsmp.graph.deferred",
+    "is_deferred": "tfsmp.graph.deferred",
+    "materialize": "tfsmp.graph.deferred",
+    "release": "tfsmp.graph.deferred",
+}
+
+__all__ = ["LayerGraph", "LayerNode", "TensorInfo", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tfsmp.graph' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -134,12 +134,14 @@ class LayerGraph:
     # groups of layers that share a variable and must sit on one stage
     colocate: list[frozenset[str]] = field(default_factory=list)
     name: str = "model"
+    _readers: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
 
     # -- building ------------------------------------------------------------------------------
 
     def add_input(self, name: str, shape: tuple[int | None, ...], dtype: str = "float32") -> str:
         """Adds an ``InputLayer`` node and its tensor; returns the tensor key."""
         key = f"{name}:0:0"
+        self._readers = None
         self.nodes[name] = LayerNode(name, "InputLayer", activation_bytes=0)
         self.tensors[key] = TensorInfo(key, name, tuple(shape), dtype)
         self.reads[name] = []
@@ -150,6 +152,7 @@ class LayerGraph:
     def add_layer(self, node: LayerNode, inputs: Iterable[str], outputs: Iterable[TensorInfo]) -> None:
         """Adds a layer call. Calling it again with the same node name records another call."""
         outs = list(outputs)
+        self._readers = None
         if node.name not in self.nodes:
             self.nodes[node.name] = node
             self.reads[node.name] = []
@@ -175,7 +178,13 @@ class LayerGraph:
 
     def consumers(self, tensor_key: str) -> list[str]:
         """Layers that read the tensor, in node order."""
-        return [n for n in self.nodes if tensor_key in self.reads[n]]
+        if self._readers is None:
+            readers: dict[str, list[str]] = {}
+            for n in self.nodes:
+                for k in self.reads[n]:
+                    readers.setdefault(k, []).append(n)
+            self._readers = readers
+        return list(self._readers.get(tensor_key, ()))
 
     def edges(self) -> dict[tuple[str, str], int]:
         """Layer-to-layer edges ``(src, dst) -> bytes per sample`` (self-loops dropped)."""
@@ -329,7 +338,7 @@ def _tarjan_scc(order: list[str] | list[int], succ: dict[str, list[str]] | dict[
                         break
                 if len(comp) > 1:
                     pos = {n: k for k, n in enumerate(order)}
-                    comps.append(sorted(comp, key=lambda n: pos[n]))  # type: ignore[index]
+                    comps.append(sorted(comp, key=lambda n: pos[n]))
             if work:
                 parent = work[-1][0]
                 low[parent] = min(low[parent], low[v])

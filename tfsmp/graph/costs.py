@@ -1,0 +1,368 @@
+"""Per-sample cost estimates of Keras layer calls (FLOPs, parameter bytes) and measured profiles.
+
+Example::
+
+    flops = forward_flops(dense, args, kwargs, [x_spec], [y_spec])   # 2·d_in·units + ...
+    seconds = profile(trace(model), x_batch)                         # {layer name: s/sample}
+
+[Note: FLOP conventions] One multiply-add counts 2 FLOPs. Estimates are per sample: the batch
+axis (axis 0) is dropped and unknown dimensions count as 1, as in `TensorInfo.bytes_per_sample`.
+Backward is 2× forward for a layer with trainable weights (``y = W·x`` needs ``dx = Wᵀ·dy`` and
+``dW = dy·xᵀ``, each as large as the forward product) and 1× otherwise; an ``Embedding``'s weight
+gradient is a scatter the size of its output, so its backward is 1× too. Layers without a rule
+get a conservative estimate: max(10 FLOPs per output element, 2 FLOPs per parameter per row).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import keras
+
+from tfsmp.graph.ir import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from tfsmp.graph.tracer import TracedModel
+
+__all__ = ["backward_flops", "forward_flops", "param_stats", "per_sample", "profile"]
+
+Specs = Sequence[Any]  # KerasTensors (shape with batch axis, dtype)
+Rule = Callable[[Any, tuple[Any, ...], dict[str, Any], Specs, Specs], float]
+
+
+def per_sample(shape: Sequence[int | None]) -> int:
+    """Elements of one sample of a tensor of this (batched) shape; unknown dims count 1."""
+    return math.prod(d if d is not None else 1 for d in list(shape)[1:])
+
+
+def _n(spec: Any) -> int:
+    return per_sample(spec.shape)
+
+
+def _rows(spec: Any) -> int:
+    """Per-sample count of vectors along the last axis (sequence positions, pixels …)."""
+    last = spec.shape[-1] if len(spec.shape) > 1 else 1
+    return _n(spec) // max(int(last or 1), 1)
+
+
+def _shape(variable: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in variable.shape)
+
+
+# -- layer rules -------------------------------------------------------------------------------
+
+def _dense(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    d_in, units, rows = int(ins[0].shape[-1]), int(layer.units), _rows(ins[0])
+    return 2 * rows * d_in * units + _bias_act(layer, rows * units)
+
+
+def _bias_act(layer: Any, outputs: int) -> int:
+    """One FLOP per output for the bias and one for a (non-linear) built-in activation."""
+    bias = outputs if getattr(layer, "use_bias", False) else 0
+    act = getattr(getattr(layer, "activation", None), "__name__", "linear")
+    return bias + (outputs if act != "linear" else 0)
+
+
+def _einsum_dense(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    equation: str = layer.equation
+    lhs, out = equation.split("->")
+    kernel_letters = lhs.split(",")[1]
+    sizes = dict(zip(kernel_letters, _shape(layer.kernel)))
+    contracted = math.prod(s for c, s in sizes.items() if c not in out)
+    bias = _n(outs[0]) if getattr(layer, "bias", None) is not None else 0
+    return 2 * _n(outs[0]) * contracted + bias + _bias_act(layer, _n(outs[0]))
+
+
+def _conv(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    # kernel = kernel_size + (in_channels / groups, filters)
+    per_output = math.prod(_shape(layer.kernel)[:-1])
+    return 2 * _n(outs[0]) * per_output + _bias_act(layer, _n(outs[0]))
+
+
+def _conv_transpose(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    # kernel = kernel_size + (filters, in_channels): every input element scatters into a window
+    k = _shape(layer.kernel)
+    return 2 * _n(ins[0]) * math.prod(k[:-2]) * k[-2] + _bias_act(layer, _n(outs[0]))
+
+
+def _depthwise(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    window = math.prod(_shape(layer.kernel)[:-2])
+    return 2 * _n(outs[0]) * window + _bias_act(layer, _n(outs[0]))
+
+
+def _separable(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    dk = _shape(layer.depthwise_kernel)
+    window, mid = math.prod(dk[:-2]), dk[-2] * dk[-1]
+    positions = _n(outs[0]) // int(layer.filters)
+    flops = 2 * positions * window * mid + 2 * positions * mid * int(layer.filters)
+    return flops + _bias_act(layer, _n(outs[0]))
+
+
+def _mha(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    bound = inspect.signature(layer.call).bind_partial(*args, **kwargs).arguments
+    q, v = bound["query"], bound["value"]
+    k = bound.get("key") if bound.get("key") is not None else v
+    h, dk = int(layer.num_heads), int(layer.key_dim)
+    dv = int(layer.value_dim or layer.key_dim)
+    return _attention(h, h, dk, dv, q, k, v, outs[0], layer.use_bias)
+
+
+def _gqa(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    bound = inspect.signature(layer.call).bind_partial(*args, **kwargs).arguments
+    q, v = bound["query"], bound["value"]
+    k = bound.get("key") if bound.get("key") is not None else v
+    hd = int(layer.head_dim)
+    return _attention(int(layer.num_query_heads), int(layer.num_key_value_heads), hd, hd,
+                      q, k, v, outs[0], layer.use_bias)
+
+
+def _attention(hq: int, hkv: int, dk: int, dv: int, q: Any, k: Any, v: Any, out: Any,
+               bias: bool) -> float:
+    """Projections, scores, softmax (5 FLOPs per score), weighted sum, output projection."""
+    tq, tv = _rows(q), _rows(v)
+    flops = (2 * tq * int(q.shape[-1]) * hq * dk + 2 * tv * int(k.shape[-1]) * hkv * dk
+             + 2 * tv * int(v.shape[-1]) * hkv * dv
+             + 2 * hq * tq * tv * dk + 5 * hq * tq * tv + 2 * hq * tq * tv * dv
+             + 2 * tq * hq * dv * int(out.shape[-1]))
+    if bias:
+        flops += tq * hq * dk + tv * hkv * dk + tv * hkv * dv + tq * int(out.shape[-1])
+    return flops
+
+
+def _rnn(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    """Per step: ``gates`` matrix products over [x, h], their bias, and the gate arithmetic."""
+    x = ins[0]
+    steps = int(x.shape[1] or 1) if len(x.shape) > 2 else 1
+    units, d_in = int(layer.units), int(x.shape[-1])
+    gates, pointwise = _RNN_GATES.get(type(layer).__name__, (1, 1))
+    per_step = 2 * gates * units * (d_in + units) + gates * units + pointwise * units
+    return steps * per_step
+
+
+_RNN_GATES = {"LSTM": (4, 8), "GRU": (3, 8), "SimpleRNN": (1, 1)}
+
+
+def _bidirectional(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    return 2 * _rnn(layer.forward_layer, args, kwargs, ins, outs)
+
+
+def _per_output(k: float) -> Rule:
+    def rule(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+        return k * sum(_n(o) for o in outs)
+    return rule
+
+
+def _per_input(k: float) -> Rule:
+    def rule(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+        return k * _n(ins[0]) if ins else 0.0
+    return rule
+
+
+def _pooling(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    return float(_n(outs[0]) * math.prod(layer.pool_size))
+
+
+def _merge(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    return max(len(ins) - 1, 1) * _n(outs[0])
+
+
+def _activation(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    name = getattr(getattr(layer, "activation", None), "__name__", "")
+    return _n(outs[0]) * _ACTIVATION_FLOPS.get(name, 4)
+
+
+_ACTIVATION_FLOPS = {"linear": 0, "relu": 1, "relu6": 1, "leaky_relu": 1, "softmax": 5,
+                     "log_softmax": 5}
+
+# Keras class name (matched along the MRO, most derived first) -> forward rule.
+_LAYER_RULES: dict[str, Rule] = {
+    "Dense": _dense, "EinsumDense": _einsum_dense,
+    "BaseConv": _conv, "BaseConvTranspose": _conv_transpose,
+    "BaseDepthwiseConv": _depthwise, "BaseSeparableConv": _separable,
+    "Embedding": _per_output(1),
+    "MultiHeadAttention": _mha, "GroupedQueryAttention": _gqa,
+    "LayerNormalization": _per_output(8), "GroupNormalization": _per_output(8),
+    "BatchNormalization": _per_output(4), "RMSNormalization": _per_output(4),
+    "UnitNormalization": _per_output(3), "Normalization": _per_output(2),
+    "BasePooling": _pooling, "BaseGlobalPooling": _per_input(1),
+    "LSTM": _rnn, "GRU": _rnn, "SimpleRNN": _rnn, "Bidirectional": _bidirectional,
+    "Activation": _activation, "ReLU": _per_output(1), "LeakyReLU": _per_output(1),
+    "PReLU": _per_output(2), "ELU": _per_output(4), "Softmax": _per_output(5),
+    "Add": _merge, "Subtract": _merge, "Multiply": _merge, "Maximum": _merge,
+    "Minimum": _merge, "Average": _merge,
+    "Concatenate": _per_output(1), "Permute": _per_output(1), "RepeatVector": _per_output(1),
+    "UpSampling1D": _per_output(1), "UpSampling2D": _per_output(1), "UpSampling3D": _per_output(1),
+    "ZeroPadding1D": _per_output(1), "ZeroPadding2D": _per_output(1), "ZeroPadding3D": _per_output(1),
+    "Cropping1D": _per_output(1), "Cropping2D": _per_output(1), "Cropping3D": _per_output(1),
+    "Dropout": _per_output(1), "GaussianNoise": _per_output(1),
+    "GaussianDropout": _per_output(1), "AlphaDropout": _per_output(1),
+    "Reshape": _per_output(0), "Flatten": _per_output(0), "Identity": _per_output(0),
+    "InputLayer": _per_output(0), "Masking": _per_output(1),
+}
+
+# keras.ops operations (nodes of traced subclassed models), by class name.
+_OP_VIEWS = {"Reshape", "ExpandDims", "Squeeze", "Flatten", "Cast", "Identity", "StopGradient"}
+_OP_COPIES = {"Transpose", "GetItem", "Concatenate", "Stack", "Split", "Tile", "Repeat", "Take",
+              "Slice", "Pad", "BroadcastTo", "MoveAxis", "SwapAxes", "OneHot"}
+_OP_REDUCTIONS = {"Mean", "Sum", "Max", "Min", "Prod", "Std", "Var", "Argmax", "Argmin", "All",
+                  "Any", "LogSumExp", "Norm"}
+_OP_ELEMENTWISE = {
+    "Add", "Subtract", "Multiply", "Divide", "TrueDivide", "FloorDivide", "Power", "Maximum",
+    "Minimum", "Negative", "Abs", "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Log1p", "Relu",
+    "Relu6", "LeakyRelu", "Sigmoid", "Tanh", "Silu", "Gelu", "Elu", "Selu", "Softplus", "Where",
+    "Clip", "Equal", "NotEqual", "Greater", "GreaterEqual", "Less", "LessEqual", "LogicalAnd",
+    "LogicalOr", "LogicalNot", "Sign", "Round", "Floor", "Ceil", "Reciprocal", "Erf",
+}
+
+
+def _op_flops(op: Any, ins: Specs, outs: Specs) -> float:
+    name = type(op).__name__
+    out = sum(_n(o) for o in outs)
+    if name in _OP_VIEWS:
+        return 0.0
+    if name in _OP_COPIES or name in _OP_ELEMENTWISE:
+        return float(out)
+    if name in _OP_REDUCTIONS:
+        return float(max((_n(i) for i in ins), default=out))
+    if name in {"Softmax", "LogSoftmax"}:
+        return 5.0 * out
+    if name in {"Matmul", "Dot"} and len(ins) >= 2:
+        return 2.0 * out * int(ins[0].shape[-1] or 1)
+    return 10.0 * out
+
+
+def forward_flops(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs,
+                  outs: Specs) -> float:
+    """Estimated forward FLOPs per sample of one call. See [Note: FLOP conventions].
+
+    Args:
+        op: the Keras layer, or a ``keras.ops`` operation.
+        args: the call's positional arguments (KerasTensors where tensors were passed).
+        kwargs: the call's keyword arguments.
+        ins: the call's input KerasTensors, flattened.
+        outs: the call's output KerasTensors, flattened.
+    """
+    if not isinstance(op, keras.layers.Layer):
+        return _op_flops(op, ins, outs)
+    for klass in type(op).__mro__:
+        rule = _LAYER_RULES.get(klass.__name__)
+        if rule is not None:
+            try:
+                return float(rule(op, args, kwargs, ins, outs))
+            except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+                break  # an unusual configuration of a known layer: use the fallback
+    return _fallback(op, ins, outs)
+
+
+def _fallback(layer: Any, ins: Specs, outs: Specs) -> float:
+    params = sum(math.prod(_shape(v)) for v in layer.weights)
+    rows = _rows(ins[0]) if ins and len(ins[0].shape) > 1 else 1
+    return float(max(10 * sum(_n(o) for o in outs), 2 * params * rows))
+
+
+def backward_flops(op: Any, forward: float) -> float:
+    """Estimated backward FLOPs per sample. See [Note: FLOP conventions]."""
+    if not isinstance(op, keras.layers.Layer) or type(op).__name__ == "Embedding":
+        return forward
+    trainable = op.trainable and any(v.trainable for v in op.weights)
+    return 2 * forward if trainable else forward
+
+
+def param_stats(variables: Sequence[Any], trainable_ids: set[int]) -> tuple[int, int, int]:
+    """(bytes, trainable bytes, scalar count) of these variables, from shapes and dtypes only."""
+    total = trainable = count = 0
+    for v in variables:
+        n = math.prod(_shape(v))
+        size = n * DTYPE_BYTES.get(keras.backend.standardize_dtype(v.dtype), 4)
+        total += size
+        count += n
+        if id(v) in trainable_ids:
+            trainable += size
+    return total, trainable, count
+
+
+# -- measurement -------------------------------------------------------------------------------
+
+def profile(traced: TracedModel, sample_input: Any, layer_names: set[str] | None = None,
+            repeats: int = 3, training: bool = True) -> dict[str, float]:
+    """Measures forward+backward seconds per sample of each layer and stores them in the graph.
+
+    Layers run one call at a time, eagerly, on the activations the previous calls produced from
+    ``sample_input``. A layer whose variables are deferred is materialized for its measurement
+    and released right after, so profiling never holds more than one layer's weights beyond what
+    the rank already had. Each call is run once to warm up, then ``repeats`` times; the fastest
+    run counts. A layer called several times gets the sum over its calls.
+
+    Args:
+        traced: the traced model.
+        sample_input: one batch of model inputs (as passed to ``model(x)``; no targets).
+        layer_names: layers to measure (default: all); the others still run to feed them.
+        repeats: timed runs per call.
+        training: the ``training`` flag passed to the layers.
+
+    Returns:
+        ``{layer name: seconds per sample}``; also written to ``graph.nodes[name].measured_seconds``.
+    """
+    import tensorflow as tf
+
+    from tfsmp.graph.deferred import is_deferred, materialize, release
+
+    env = traced.pack_inputs(sample_input)
+    batch = max(int(next(iter(env.values())).shape[0] or 1), 1) if env else 1
+    last_use = _last_use(traced)
+    seconds: dict[str, float] = {}
+    for i, call in enumerate(traced.calls):
+        variables = traced.variables_of([call.layer_name])
+        fresh = materialize([v for v in variables if is_deferred(v)])
+        try:
+            measure = layer_names is None or call.layer_name in layer_names
+            if measure:
+                t = _time_call(tf, call, env, variables, training, repeats)
+                seconds[call.layer_name] = seconds.get(call.layer_name, 0.0) + t / batch
+            call.run(env, training)
+        finally:
+            release(fresh)
+        for key in [k for k, last in last_use.items() if last == i]:
+            env.pop(key, None)
+    for name, s in seconds.items():
+        traced.graph.nodes[name].measured_seconds = s
+    return seconds
+
+
+def _last_use(traced: TracedModel) -> dict[str, int]:
+    last: dict[str, int] = {}
+    for i, call in enumerate(traced.calls):
+        for k in call.input_keys:
+            last[k] = i
+    for k in traced.output_keys:
+        last.pop(k, None)
+    return last
+
+
+def _time_call(tf: Any, call: Any, env: dict[str, Any], variables: list[Any],
+               training: bool, repeats: int) -> float:
+    trainable = [v for v in variables if v.trainable]
+
+    def step() -> None:
+        local = {k: env[k] for k in call.input_keys}
+        floats = [x for x in local.values() if x.dtype.is_floating]
+        with tf.GradientTape() as tape:
+            tape.watch(floats)
+            call.run(local, training)
+            ys = [local[k] for k in call.output_keys]
+            loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32)) for y in ys
+                             if y.dtype.is_floating] or [tf.constant(0.0)])
+        if floats or trainable:
+            tape.gradient(loss, floats + trainable)
+
+    step()
+    best = math.inf
+    for _ in range(max(repeats, 1)):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -1,0 +1,173 @@
+"""Deferred variable creation: the one place tfsmp touches Keras's private initialization API.
+
+Example::
+
+    with deferred_scope():
+        model = build_keras_model()          # variables have shapes, dtypes, paths, no storage
+    mine = traced.variables_of(plan.layers(stage))
+    materialize(mine)                        # allocate only this stage's variables
+    release(other)                           # drop storage this rank does not own
+
+[Note: deferred variables] Keras 3 (verified on 3.15) creates a variable inside
+``keras.StatelessScope(initialize_variables=False)`` without storage: it keeps its initializer,
+shape and dtype, and ``Variable._deferred_initialize()`` allocates it later. Measured here
+(``tests/tf/test_deferred.py`` pins it): a Functional model of 8 Dense(4096) layers built in the
+scope adds 0.4 MiB of RSS instead of 512 MiB; materializing two layers adds 133 MiB, all eight
+517 MiB. Three traps, handled here:
+
+* Keras also registers such variables in a process-global list, and *any* later
+  ``StatelessScope()`` that exits at top level (for example the one in
+  ``backend.compute_output_spec``, run by every symbolic call of a layer without
+  ``compute_output_shape``) initializes the whole list. `deferred_scope` takes its variables
+  off that list, and `materialize` takes off the ones it initializes.
+* Reading ``.value`` of a deferred variable does not fail: it evaluates the initializer every
+  time. Seeded initializers (Keras fixes an unseeded initializer's seed when the initializer is
+  constructed, from Python's ``random``, so ``keras.utils.set_random_seed`` makes it
+  reproducible) return the same values each time, so this is slow, never wrong; an ``assign``
+  on a deferred variable fails. Use `is_deferred` to check before running a layer.
+* Initial values do not depend on which variables a rank materializes or in which order (each
+  initializer carries its own seed), so 1, 2 or 4 stages start from the same weights. A
+  ``keras.random.SeedGenerator`` passed as an initializer's seed breaks this (its state advances
+  per draw); tfsmp does not support that.
+
+`release` drops a variable's TensorFlow storage. With oneDNN enabled (the x86 default), TF keeps
+freed buffers in its own pool: the memory is reused by later tensors of this process but is
+returned to the OS only with ``TF_ENABLE_ONEDNN_OPTS=0``. Ranks should therefore not materialize
+what they do not own in the first place; `release` is for variables that must be dropped later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import keras
+from keras.src.backend.common import global_state
+from keras.src.backend.common.stateless_scope import get_stateless_scope, in_stateless_scope
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+from tfsmp.errors import StepError
+
+__all__ = ["deferred_scope", "is_deferred", "materialize", "release"]
+
+_GLOBAL_LIST = "uninitialized_variables"  # Keras's registry of deferred variables
+_SAVED = "_tfsmp_initializer"  # attribute keeping an initializer across materialize/release
+
+
+@contextmanager
+def deferred_scope() -> Iterator[None]:
+    """Creates every Keras variable inside the block without storage. See [Note: deferred variables].
+
+    Nested inside another ``StatelessScope`` it leaves the new variables to the outer scope's
+    policy; at top level it keeps them deferred until `materialize`.
+    """
+    outermost = get_stateless_scope() is None
+    before = {id(v) for v in _global_list()}
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        if outermost:
+            # Off the global list, or the next top-level StatelessScope would allocate them all.
+            kept = [v for v in _global_list() if id(v) in before]
+            global_state.set_global_attribute(_GLOBAL_LIST, kept)
+
+
+def is_deferred(variable: keras.Variable) -> bool:
+    """True if the variable has no storage yet (deferred or released)."""
+    return getattr(variable, "_value", None) is None
+
+
+def materialize(variables: Iterable[keras.Variable]) -> list[keras.Variable]:
+    """Allocates and initializes exactly these variables (already allocated ones are skipped).
+
+    Args:
+        variables: Keras variables, typically ``TracedModel.variables_of(stage_layers)``.
+
+    Returns:
+        The variables this call allocated.
+
+    Raises:
+        RuntimeError: inside a ``StatelessScope`` (Keras forbids initializing there), or for a
+            variable that was built eagerly and then released (its initializer is gone).
+    """
+    if in_stateless_scope():
+        raise RuntimeError(
+            "Variables cannot be materialized inside a keras.StatelessScope (or deferred_scope). "
+            "Received: a call to materialize() inside one. Call it after the `with` block.")
+    done: list[keras.Variable] = []
+    for v in _distinct(variables):
+        if not is_deferred(v):
+            continue
+        init = v._initializer
+        if isinstance(init, _Released):
+            if init.initializer is None:
+                raise RuntimeError(
+                    f"Only a variable created deferred can be materialized again after release(). "
+                    f"Received: variable '{v.path}', built eagerly, then released. Materialize "
+                    f"it on the rank that owns it, or assign() it from a checkpoint.")
+            v._initializer = init.initializer
+        keep = v._initializer
+        v._deferred_initialize()
+        setattr(v, _SAVED, keep)
+        done.append(v)
+    if done:
+        ids = {id(v) for v in done}
+        # A variable left on Keras's list would be initialized a second time (and raise) later.
+        global_state.set_global_attribute(
+            _GLOBAL_LIST, [v for v in _global_list() if id(v) not in ids])
+    return done
+
+
+def release(variables: Iterable[keras.Variable]) -> list[keras.Variable]:
+    """Drops the storage of these variables; shape, dtype and path stay.
+
+    A released variable is deferred again: `materialize` re-creates it with its initial values
+    (if it was created deferred). Until then an eager read raises `tfsmp.StepError`, while
+    symbolic shape inference keeps working.
+
+    Returns:
+        The variables this call released.
+    """
+    done: list[keras.Variable] = []
+    for v in _distinct(variables):
+        if is_deferred(v):
+            continue
+        v._initializer = _Released(v.path, getattr(v, _SAVED, None))
+        v._value = None
+        done.append(v)
+    return done
+
+
+class _Released:
+    """Initializer of a released variable: the original one for shape inference, an error for
+    eager reads (a rank reading a variable another stage owns is a bug, not a recomputation)."""
+
+    def __init__(self, path: str, initializer: Any) -> None:
+        self.path = path
+        self.initializer = initializer
+
+    def __call__(self, shape: Any, dtype: Any = None) -> Any:
+        if in_symbolic_scope():
+            if self.initializer is not None:
+                return self.initializer(shape, dtype=dtype)
+            return keras.ops.zeros(shape, dtype=dtype)
+        raise StepError(
+            f"This variable's storage was released on this rank (another stage owns it). "
+            f"Received: a read of variable '{self.path}'. Run only the layers of this rank's "
+            f"stage, or materialize() the variable first.")
+
+
+def _global_list() -> list[keras.Variable]:
+    return list(global_state.get_global_attribute(_GLOBAL_LIST, None) or [])
+
+
+def _distinct(variables: Iterable[keras.Variable]) -> list[keras.Variable]:
+    seen: set[int] = set()
+    out: list[keras.Variable] = []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return out

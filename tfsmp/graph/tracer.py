@@ -1,0 +1,659 @@
+"""Keras model -> `LayerGraph`, plus an interpreter of the model's flattened layer calls.
+
+Example::
+
+    with deferred_scope():
+        model = build_keras_model()        # no weights allocated
+    traced = trace(model)                  # Functional, Sequential, nested or subclassed
+    traced.graph                           # the LayerGraph the partitioner reads
+    env = traced.run(traced.pack_inputs(x), layer_names=set(plan.layers(stage)))
+
+[Note: flattening] Every model becomes one list of leaf calls. A Functional model is read from
+its nodes (`keras.src.ops.node.Node`); a Sequential through its Functional form; a subclassed
+model by calling its ``call`` on ``keras.Input`` tensors inside `deferred_scope` and reading the
+nodes that call created (Keras layers and ``keras.ops`` operations). A model used as a layer is
+expanded in place, recursively, so the graph holds only leaf layers; a leaf called at several
+places (directly, or because its model is called several times) is one node with several calls.
+A layer's calls are numbered in the order of (enclosing model's call, …, the layer's own node
+index among the nodes of its model), which for a model without nesting is Keras's node index
+counted over this model's nodes only; tensor keys follow [Note: tensor keys] in `ir.py`.
+``keras.ops`` operations get names ``ops.<op>``, ``ops.<op>_1`` … in execution order, because
+Keras's own names for them come from a process-wide counter and differ between processes.
+
+[Note: call semantics] `Call.run` calls the layer as `Functional` does: the node's recorded
+args/kwargs with tensors substituted, and ``training`` overriding the recorded value when it is
+not None and the layer takes it. Masks ride on the tensors (``_keras_mask``), so they propagate
+as in Keras while the tensors stay in one process; a tensor received from another stage carries
+no mask.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import linecache
+import os
+import re
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+from keras.src.models.functional import Functional
+from keras.src.ops.function import make_node_key
+from keras.src.ops.node import Node
+from keras.src.ops.symbolic_arguments import SymbolicArguments
+
+from tfsmp.errors import StepError, TraceError
+from tfsmp.graph import costs
+from tfsmp.graph.deferred import deferred_scope
+from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo
+
+__all__ = ["Call", "TracedModel", "trace"]
+
+_WAYS_OUT = ("Either wrap that code in a keras.layers.Layer (its call() may use any TensorFlow "
+             "op and Python control flow; tfsmp then treats it as one layer), or partition the "
+             "model manually with smp.partition.")
+
+
+@dataclass
+class Call:
+    """One call of a leaf layer (or ``keras.ops`` operation) in the flattened model.
+
+    Example::
+
+        env = {"x:0:0": x}
+        call.run(env, training=False)      # env[call.output_keys[0]] is now set
+    """
+
+    layer: Any
+    layer_name: str
+    call_index: int
+    input_keys: list[str]
+    output_keys: list[str]
+    arguments: SymbolicArguments = field(repr=False)
+
+    def run(self, env: dict[str, Any], training: bool | None = None) -> None:
+        """Reads ``env[input_keys]``, calls the layer, writes ``env[output_keys]``.
+
+        See [Note: call semantics].
+        """
+        values = {id(t): env[k] for t, k in zip(self.arguments.keras_tensors, self.input_keys)}
+        args, kwargs = self.arguments.fill_in(values)
+        if training is not None and "training" in getattr(self.layer, "_call_context_args", ()):
+            kwargs = {**kwargs, "training": training}
+        outputs = tree.flatten(self.layer(*args, **kwargs))
+        for key, value in zip(self.output_keys, outputs):
+            env[key] = value
+
+
+@dataclass
+class TracedModel:
+    """A traced model: its `LayerGraph`, its calls in execution order, and how to feed them.
+
+    Example::
+
+        traced = trace(model)
+        y = traced.pack_outputs([traced.run(traced.pack_inputs(x))[k]
+                                 for k in traced.output_keys])        # == model(x)
+    """
+
+    model: keras.Model
+    graph: LayerGraph
+    calls: list[Call]
+    input_keys: list[str]
+    output_keys: list[str]
+    input_names: list[str]
+    output_names: list[str]
+    input_specs: list[Any] = field(repr=False)
+    inputs_struct: Any = field(repr=False)
+    outputs_struct: Any = field(repr=False)
+    unpack_singleton: bool = True
+    cast_all_inputs: bool = True
+    layers: dict[str, Any] = field(default_factory=dict, repr=False)
+    uses: dict[str, list[Any]] = field(default_factory=dict, repr=False)
+    variable_order: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def layer(self, name: str) -> Any:
+        """The Keras layer (or ``keras.ops`` operation) of a graph node."""
+        if name not in self.layers:
+            raise KeyError(f"No layer of this name in the traced model. Received: name={name!r}")
+        return self.layers[name]
+
+    def variables_of(self, layer_names: Iterable[str]) -> list[keras.Variable]:
+        """Every variable these layers' calls read (weights and RNG seed states), each once,
+        in ``model.variables`` order (which keeps ``model.weights`` order)."""
+        found: dict[int, Any] = {}
+        for name in layer_names:
+            for v in self.uses.get(name, ()):
+                found.setdefault(id(v), v)
+        end = len(self.variable_order)
+        return sorted(found.values(), key=lambda v: self.variable_order.get(id(v), end))
+
+    def pack_inputs(self, x: Any) -> dict[str, Any]:
+        """The user's ``x`` (tensor, list, tuple, or dict by input name) -> ``{input key: tensor}``,
+        converted as ``model(x)`` converts it.
+
+        Raises:
+            StepError: if ``x`` does not match the model's inputs.
+        """
+        flat = self._flatten_inputs(x)
+        return {k: self._convert(v, spec) for k, v, spec in zip(self.input_keys, flat, self.input_specs)}
+
+    def pack_outputs(self, values: Iterable[Any]) -> Any:
+        """Flat output values (in `output_keys` order) -> the structure ``model(x)`` returns."""
+        out = tree.pack_sequence_as(self.outputs_struct, list(values))
+        if self.unpack_singleton and isinstance(out, (list, tuple)) and len(out) == 1:
+            return out[0]
+        return out
+
+    def run(self, inputs: dict[str, Any], layer_names: set[str] | None = None,
+            env: dict[str, Any] | None = None, training: bool | None = None) -> dict[str, Any]:
+        """Runs the calls of ``layer_names`` (None: all) in execution order: a stage interpreter.
+
+        Args:
+            inputs: ``{tensor key: value}`` for model inputs (see `pack_inputs`) and, for a
+                stage, the boundary tensors it receives.
+            layer_names: the layers to run.
+            env: further known tensors; not modified.
+            training: passed to every layer that takes it (see [Note: call semantics]).
+
+        Returns:
+            A new dict of every known tensor: ``env``, ``inputs`` and all outputs computed.
+        """
+        values = dict(env or {})
+        values.update(inputs)
+        for call in self.calls:
+            if layer_names is None or call.layer_name in layer_names:
+                call.run(values, training)
+        return values
+
+    def __call__(self, x: Any, training: bool | None = None) -> Any:
+        """Runs the whole model: the same result as ``model(x, training=training)``."""
+        values = self.run(self.pack_inputs(x), training=training)
+        return self.pack_outputs([values[k] for k in self.output_keys])
+
+    def _flatten_inputs(self, x: Any) -> list[Any]:
+        if isinstance(x, dict) and all(n in x for n in self.input_names):
+            flat = [x[n] for n in self.input_names]
+        elif len(self.input_specs) == 1 and not isinstance(x, (list, tuple, dict)):
+            flat = [x]
+        else:
+            flat = tree.flatten(x)
+        if len(flat) != len(self.input_specs):
+            raise StepError(
+                f"The inputs must match the model's {len(self.input_specs)} inputs "
+                f"{self.input_names}. Received: {len(flat)} values "
+                f"({type(x).__name__}). Pass a tensor, a list in this order, or a dict by name.")
+        return flat
+
+    def _convert(self, value: Any, spec: Any) -> Any:
+        dtype = keras.backend.standardize_dtype(spec.dtype)
+        if self.cast_all_inputs:  # what Functional._convert_inputs_to_tensors does
+            value = keras.ops.convert_to_tensor(value, dtype=dtype)
+        else:  # what Layer.__call__ does for a subclassed model: cast floats only
+            value = keras.ops.convert_to_tensor(value)
+            is_float = keras.backend.is_float_dtype
+            if is_float(value.dtype) and is_float(dtype) and value.dtype != dtype:
+                value = keras.ops.cast(value, dtype)
+        return _adjust_rank(value, spec)
+
+
+def _adjust_rank(value: Any, spec: Any) -> Any:
+    """Squeezes or expands a trailing axis of size 1, as `Functional` does."""
+    rank, ref = len(value.shape), tuple(spec.shape)
+    if rank == len(ref) + 1 and value.shape[-1] == 1:
+        return keras.ops.squeeze(value, axis=-1)
+    if rank == len(ref) - 1 and ref and ref[-1] == 1:
+        return keras.ops.expand_dims(value, axis=-1)
+    return value
+
+
+# -- trace -------------------------------------------------------------------------------------
+
+def trace(model: keras.Model, batch_size: int | None = None, sample_input: Any = None) -> TracedModel:
+    """Builds the layer graph and the call list of any Keras model. See [Note: flattening].
+
+    Tracing allocates no weights: layers built during the trace are built in `deferred_scope`.
+
+    Args:
+        model: a Functional, Sequential or subclassed ``keras.Model`` (nesting allowed).
+        batch_size: batch dimension of the symbolic inputs of an unbuilt or subclassed model
+            (default: unknown).
+        sample_input: a batch (arrays, tensors or ``keras.KerasTensor`` specs, structured as in
+            ``model(x)``); needed for a subclassed or unbuilt Sequential model that has never
+            been called.
+
+    Returns:
+        The `TracedModel`.
+
+    Raises:
+        TraceError: if the model cannot be traced (a ``call`` using raw TensorFlow ops or Python
+            control flow on tensors, an unbuilt model without ``sample_input``, names that
+            collide after flattening).
+    """
+    with deferred_scope():
+        top = _top_function(model, batch_size, sample_input)
+        flat = _Flattener()
+        keymap = {id(t): f"{_producer(t).name}:0:0" for t in top.fn.inputs}
+        flat.expand(top.fn, keymap, (), model.name)
+    input_keys = [keymap[id(t)] for t in top.fn.inputs]
+    output_keys = [keymap[id(t)] for t in top.fn.outputs]
+    calls = flat.finish(input_names=[_producer(t).name for t in top.fn.inputs])
+    rename = flat.final_keys
+    output_keys = [rename.get(k, k) for k in output_keys]
+    return _assemble(model, top, calls, flat, input_keys, output_keys)
+
+
+@dataclass
+class _Top:
+    fn: Any                       # a Functional model or keras.Function: inputs, outputs, nodes
+    unpack_singleton: bool
+    cast_all_inputs: bool
+
+
+def _top_function(model: keras.Model, batch_size: int | None, sample_input: Any) -> _Top:
+    if isinstance(model, Functional):
+        return _Top(model, True, True)
+    if isinstance(model, keras.Sequential):
+        fn = _sequential_function(model, batch_size, sample_input)
+        if fn is not None:
+            return _Top(fn, True, True)
+    args = _symbolic_inputs(model, batch_size, sample_input)
+    return _Top(_symbolic_function(model, (args,), {}), False, False)
+
+
+def _sequential_function(model: keras.Sequential, batch_size: int | None, sample_input: Any) -> Any:
+    fn = getattr(model, "_functional", None)
+    if fn is None and sample_input is not None and not tree.is_nested(sample_input):
+        model.build((batch_size, *tuple(sample_input.shape)[1:]))
+        fn = getattr(model, "_functional", None)
+    return fn
+
+
+def _symbolic_inputs(model: keras.Model, batch_size: int | None, sample_input: Any) -> Any:
+    """``keras.Input`` tensors shaped like ``sample_input`` or like the model's built input."""
+    if sample_input is None:
+        shapes = getattr(model, "_build_shapes_dict", None)
+        if not shapes or len(shapes) != 1:
+            raise TraceError(
+                f"Tracing a model that was never called needs a sample of its input. Received: "
+                f"model '{model.name}' ({type(model).__name__}) is not built and "
+                f"sample_input=None. Pass sample_input=<one batch> to trace() (or to "
+                f"smp.DistributedModel), or call the model once on data first.")
+        spec = next(iter(shapes.values()))
+        dtype = model.input_dtype
+        sample_input = tree.map_shape_structure(
+            lambda s: keras.KerasTensor(tuple(s), dtype=dtype), spec)
+    paths = tree.flatten_with_path(sample_input)
+    leaves = [leaf for _, leaf in paths]
+    names = [_input_name(path, i, len(paths)) for i, (path, _) in enumerate(paths)]
+    inputs = [_input_like(leaf, name, batch_size, model) for leaf, name in zip(leaves, names)]
+    return tree.pack_sequence_as(sample_input, inputs)
+
+
+def _input_name(path: tuple[Any, ...], index: int, count: int) -> str:
+    if path and isinstance(path[-1], str):
+        return path[-1]
+    return "input" if count == 1 else f"input_{index}"
+
+
+def _input_like(leaf: Any, name: str, batch_size: int | None, model: keras.Model) -> Any:
+    dtype = keras.backend.standardize_dtype(leaf.dtype)
+    if keras.backend.is_float_dtype(dtype):  # Layer.__call__ casts float inputs so
+        dtype = model.input_dtype
+    return keras.Input(shape=tuple(leaf.shape)[1:], batch_size=batch_size, dtype=dtype, name=name)
+
+
+def _symbolic_function(model: keras.Model, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Calls ``model.call`` on KerasTensors and wraps what it built in a ``keras.Function``."""
+    if not model.built:
+        _build_symbolically(model, args, kwargs)
+    outputs = _symbolic_call(model, model.call, args, kwargs)
+    if "training" in inspect.signature(model.call).parameters:
+        _check_training_branches(model, args, kwargs)
+    return keras.Function(_tensors((args, kwargs)), outputs, name=f"{model.name}_trace")
+
+
+def _tensors(structure: Any) -> list[Any]:
+    return [t for t in tree.flatten(structure) if isinstance(t, keras.KerasTensor)]
+
+
+def _build_symbolically(model: keras.Model, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Builds the model as ``model(x)`` would (running a custom ``build``), without weights."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras's "unbuilt state" hints; errors come next
+            model(*args, **kwargs)
+    except Exception:
+        pass  # the symbolic call that follows reports the error at its source
+
+
+def _symbolic_call(model: keras.Model, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except TraceError:
+        raise
+    except Exception as e:
+        raise TraceError(_trace_message(model, e)) from e
+
+
+def _check_training_branches(model: keras.Model, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    seen = {}
+    for training in (True, False):
+        out = _symbolic_call(model, model.call, args, {**kwargs, "training": training})
+        fn = keras.Function(_tensors((args, kwargs)), out, name=f"{model.name}_check")
+        seen[training] = [_op_label(n.operation) for n in _ordered_nodes(fn) if not n.is_input]
+    if seen[True] != seen[False]:
+        raise TraceError(
+            f"A traced call() must run the same layers with training=True and training=False. "
+            f"Received: model '{model.name}' runs {seen[True]} when training=True and "
+            f"{seen[False]} when training=False. {_WAYS_OUT}")
+
+
+def _op_label(op: Any) -> str:
+    return op.name if isinstance(op, keras.layers.Layer) else f"ops.{type(op).__name__}"
+
+
+def _trace_message(model: keras.Model, error: Exception) -> str:
+    where, layer = _user_frame(error)
+    owner = f"model '{model.name}' ({type(model).__name__})"
+    if layer is not None and layer is not model:
+        owner = f"layer '{layer.name}' ({type(layer).__name__}) of {owner}"
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    sentence = re.match(r"(.+?[.!?])(\s|$)", text)
+    first_line = sentence.group(1) if sentence else text
+    return (f"A subclassed model's call() must use only Keras layers and keras.ops on its "
+            f"tensors so tfsmp can trace it (no raw TensorFlow ops, no Python control flow "
+            f"on tensor values). Received: {owner}{where} raised "
+            f"{type(error).__name__}: {first_line} {_WAYS_OUT}")
+
+
+# Frames in these directories are not the user's: Keras, TensorFlow, NumPy, tfsmp itself, and
+# the standard library (but not the site-packages inside it).
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep
+    for m in (keras, tf, np, importlib.import_module("tfsmp")))
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+
+
+def _is_library(path: str) -> bool:
+    if path.startswith(_LIBRARY_DIRS):
+        return True
+    return path.startswith(_STDLIB_DIR) and "site-packages" not in path
+
+
+def _user_frame(error: BaseException) -> tuple[str, Any]:
+    """`` at file:line `source` `` of the innermost user frame, and the Keras layer running it."""
+    tb, found = error.__traceback__, None
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not _is_library(path):
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return "", None
+    code = found.tb_frame.f_code
+    source = linecache.getline(code.co_filename, found.tb_lineno).strip()
+    owner = found.tb_frame.f_locals.get("self")
+    layer = owner if isinstance(owner, keras.layers.Layer) else None
+    return f" at {os.path.basename(code.co_filename)}:{found.tb_lineno} `{source}`", layer
+
+
+# -- flattening --------------------------------------------------------------------------------
+
+@dataclass
+class _RawCall:
+    op: Any
+    node: Node
+    path: tuple[int, ...]
+    input_keys: list[str]
+    output_keys: list[str]
+    owner: str
+
+
+class _Flattener:
+    """Expands nested models into leaf calls with provisional keys, then names them."""
+
+    def __init__(self) -> None:
+        self.raw: list[_RawCall] = []
+        self.final_keys: dict[str, str] = {}
+        self.names: dict[int, str] = {}
+
+    def expand(self, fn: Any, keymap: dict[int, str], path: tuple[int, ...], owner: str) -> None:
+        """Adds ``fn``'s calls; ``keymap`` maps id(KerasTensor) of ``fn`` -> key (extended here)."""
+        for node in _ordered_nodes(fn):
+            if node.is_input:
+                continue
+            op = node.operation
+            here = (*path, _local_index(fn, op, node))
+            if isinstance(op, keras.Model):
+                self._expand_model(op, node, keymap, here)
+                continue
+            keys = [f"\0{len(self.raw)}:{i}" for i in range(len(node.outputs))]
+            self.raw.append(_RawCall(op, node, here, [keymap[id(t)] for t in node.input_tensors],
+                                     keys, owner))
+            keymap.update({id(t): k for t, k in zip(node.outputs, keys)})
+
+    def _expand_model(self, model: keras.Model, node: Node, keymap: dict[int, str],
+                      path: tuple[int, ...]) -> None:
+        inner, inner_inputs = _inner_function(model, node)
+        inner_map = {id(t): keymap[id(a)] for t, a in zip(inner.inputs, inner_inputs)}
+        self.expand(inner, inner_map, path, model.name)
+        for outer, inner_t in zip(node.outputs, inner.outputs):
+            keymap[id(outer)] = inner_map[id(inner_t)]
+
+    def finish(self, input_names: list[str]) -> list[Call]:
+        """Names nodes, numbers calls, and rewrites provisional keys into final ones."""
+        self._name_ops(input_names)
+        index: dict[int, int] = {}
+        seen: dict[int, int] = {}
+        for pos in sorted(range(len(self.raw)), key=lambda i: self.raw[i].path):
+            op_id = id(self.raw[pos].op)
+            index[pos] = seen.get(op_id, 0)
+            seen[op_id] = index[pos] + 1
+        for pos, rc in enumerate(self.raw):
+            name = self.names[id(rc.op)]
+            for i, k in enumerate(rc.output_keys):
+                self.final_keys[k] = f"{name}:{index[pos]}:{i}"
+        calls = []
+        for pos, rc in enumerate(self.raw):
+            calls.append(Call(
+                layer=rc.op, layer_name=self.names[id(rc.op)], call_index=index[pos],
+                input_keys=[self.final_keys.get(k, k) for k in rc.input_keys],
+                output_keys=[self.final_keys[k] for k in rc.output_keys],
+                arguments=rc.node.arguments))
+        return calls
+
+    def _name_ops(self, input_names: list[str]) -> None:
+        owners: dict[str, tuple[Any, str]] = {n: (None, "the model inputs") for n in input_names}
+        counts: dict[str, int] = {}
+        for rc in self.raw:
+            if id(rc.op) in self.names:
+                continue
+            if isinstance(rc.op, keras.layers.Layer):
+                name = rc.op.name
+            else:
+                base = f"ops.{_snake(type(rc.op).__name__)}"
+                n = counts.get(base, 0)
+                counts[base] = n + 1
+                name = base if n == 0 else f"{base}_{n}"
+            other = owners.get(name)
+            if other is not None and other[0] is not rc.op:
+                raise TraceError(
+                    f"Layer names must be unique across a model and the models nested in it. "
+                    f"Received: two different layers named '{name}' (in '{other[1]}' and "
+                    f"'{rc.owner}'). Give one of them another name= when creating it.")
+            owners[name] = (rc.op, rc.owner)
+            self.names[id(rc.op)] = name
+
+
+def _snake(name: str) -> str:
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z0-9])([A-Z])", r"\1_\2", name).lower()
+
+
+def _ordered_nodes(fn: Any) -> list[Node]:
+    """``fn``'s nodes in the order `Function._run_through_graph` runs them."""
+    by_depth = fn._nodes_by_depth
+    return [n for d in sorted(by_depth, reverse=True) for n in by_depth[d]]
+
+
+def _local_index(fn: Any, op: Any, node: Node) -> int:
+    """Index of ``node`` among ``op``'s inbound nodes that belong to ``fn``."""
+    own = fn._nodes
+    position = op._inbound_nodes.index(node)
+    return sum(1 for j in range(position) if make_node_key(op, j) in own)
+
+
+def _inner_function(model: keras.Model, node: Node) -> tuple[Any, list[Any]]:
+    """The graph of a nested model and the outer KerasTensors feeding its inputs, in order."""
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    fn = model if isinstance(model, Functional) else getattr(model, "_functional", None)
+    if fn is None:  # a subclassed model used as a layer: trace its call on fresh inputs
+        fresh_args, fresh_kwargs, outer = _fresh_inputs(model, args, kwargs)
+        return _symbolic_function(model, fresh_args, fresh_kwargs), outer
+    first = args[0] if args else kwargs.get("inputs")
+    if isinstance(first, dict) and not isinstance(fn._inputs_struct, dict):
+        outer = [first[_producer(t).name] for t in fn.inputs]
+    else:
+        outer = tree.flatten(first)
+    if len(outer) != len(fn.inputs) or not all(isinstance(t, keras.KerasTensor) for t in outer):
+        raise TraceError(
+            f"A nested model must be called on as many tensors as it has inputs. Received: "
+            f"model '{model.name}' with {len(fn.inputs)} inputs called on {len(outer)} values. "
+            f"Pass one tensor per input.")
+    return fn, outer
+
+
+def _fresh_inputs(model: keras.Model, args: Any, kwargs: Any) -> tuple[Any, Any, list[Any]]:
+    outer: list[Any] = []
+
+    def swap(x: Any) -> Any:
+        if not isinstance(x, keras.KerasTensor):
+            return x
+        outer.append(x)
+        return keras.Input(batch_shape=tuple(x.shape), dtype=x.dtype,
+                           name=f"{model.name}_input_{len(outer) - 1}")
+
+    fresh_args, fresh_kwargs = tree.map_structure(swap, (tuple(args), dict(kwargs)))
+    return fresh_args, fresh_kwargs, outer
+
+
+def _producer(t: Any) -> Any:
+    return t._keras_history.operation
+
+
+# -- graph -------------------------------------------------------------------------------------
+
+def _assemble(model: keras.Model, top: _Top, calls: list[Call], flat: _Flattener,
+              input_keys: list[str], output_keys: list[str]) -> TracedModel:
+    fn = top.fn
+    graph = LayerGraph(name=model.name)
+    for t in fn.inputs:
+        graph.add_input(_producer(t).name, tuple(t.shape)[1:], keras.backend.standardize_dtype(t.dtype))
+    layers = {c.layer_name: c.layer for c in calls}
+    owned, uses = _variable_owners(calls, layers)
+    trainable = {id(v) for v in model.trainable_weights}
+    nodes = _layer_nodes(calls, flat, owned, trainable)
+    for c, rc in zip(calls, flat.raw):
+        outs = [TensorInfo(k, c.layer_name, tuple(t.shape)[1:],
+                           keras.backend.standardize_dtype(t.dtype))
+                for k, t in zip(c.output_keys, rc.node.outputs)]
+        graph.add_layer(nodes[c.layer_name], c.input_keys, outs)
+    graph.set_outputs(output_keys)
+    graph.colocate = _colocate(uses)
+    order = {id(v): i for i, v in enumerate(model.variables)}
+    return TracedModel(
+        model=model, graph=graph, calls=calls, input_keys=input_keys, output_keys=output_keys,
+        input_names=_input_names(fn), output_names=_output_names(fn, output_keys),
+        input_specs=list(fn.inputs), inputs_struct=fn._inputs_struct,
+        outputs_struct=fn._outputs_struct, unpack_singleton=top.unpack_singleton,
+        cast_all_inputs=top.cast_all_inputs, layers=layers, uses=uses, variable_order=order)
+
+
+def _layer_nodes(calls: list[Call], flat: _Flattener, owned: dict[str, list[Any]],
+                 trainable: set[int]) -> dict[str, LayerNode]:
+    nodes: dict[str, LayerNode] = {}
+    for c, rc in zip(calls, flat.raw):
+        node = nodes.get(c.layer_name)
+        if node is None:
+            size, train, count = costs.param_stats(owned.get(c.layer_name, []), trainable)
+            kind = (type(c.layer).__name__ if isinstance(c.layer, keras.layers.Layer)
+                    else f"ops.{type(c.layer).__name__}")
+            node = nodes[c.layer_name] = LayerNode(
+                c.layer_name, kind, param_bytes=size, trainable_param_bytes=train,
+                param_count=count, calls=0,
+                variables=tuple(v.path for v in owned.get(c.layer_name, [])))
+        args = rc.node.arguments
+        fwd = costs.forward_flops(c.layer, args.args, args.kwargs, rc.node.input_tensors,
+                                  rc.node.outputs)
+        node.flops_forward += fwd
+        node.flops_backward += costs.backward_flops(c.layer, fwd)
+        node.activation_bytes += sum(
+            TensorInfo("", "", tuple(t.shape)[1:], keras.backend.standardize_dtype(t.dtype))
+            .bytes_per_sample for t in rc.node.outputs)
+        node.calls += 1
+    return nodes
+
+
+def _variable_owners(calls: list[Call], layers: dict[str, Any]) -> tuple[dict[str, list[Any]],
+                                                                         dict[str, list[Any]]]:
+    """Which node owns each weight (its bytes count there) and which variables each node reads.
+
+    A layer owns its ``weights``; a variable a ``keras.ops`` call takes as an argument (weight
+    tying in a subclassed ``call``) is read by that node too, and owned by it if no layer owns it.
+    """
+    uses: dict[str, dict[int, Any]] = {name: {} for name in layers}
+    weights: dict[int, str] = {}
+    for name, op in layers.items():
+        if isinstance(op, keras.layers.Layer):
+            for v in op.variables:
+                uses[name].setdefault(id(v), v)
+            for v in op.weights:
+                weights.setdefault(id(v), name)
+    for c in calls:
+        for v in c.arguments._flat_arguments:
+            if isinstance(v, keras.Variable):
+                uses[c.layer_name].setdefault(id(v), v)
+                weights.setdefault(id(v), c.layer_name)
+    owned: dict[str, list[Any]] = {}
+    for name, vs in uses.items():
+        owned[name] = [v for i, v in vs.items() if weights.get(i) == name]
+    return owned, {name: list(vs.values()) for name, vs in uses.items()}
+
+
+def _colocate(uses: dict[str, list[Any]]) -> list[frozenset[str]]:
+    users: dict[int, list[str]] = {}
+    for name, vs in uses.items():
+        for v in vs:
+            users.setdefault(id(v), []).append(name)
+    groups: list[frozenset[str]] = []
+    for names in users.values():
+        group = frozenset(names)
+        if len(group) > 1 and group not in groups:
+            groups.append(group)
+    return groups
+
+
+def _input_names(fn: Any) -> list[str]:
+    struct = fn._inputs_struct
+    if isinstance(struct, dict) and all(isinstance(v, keras.KerasTensor) for v in struct.values()):
+        return [str(path[0]) for path, _ in tree.flatten_with_path(struct)]
+    return [_producer(t).name for t in fn.inputs]
+
+
+def _output_names(fn: Any, output_keys: list[str]) -> list[str]:
+    """Dict keys for dict outputs, else Keras's ``output_names`` (the layers producing the
+    outputs, a nested model counting as one), else the leaf layers producing them."""
+    struct = fn._outputs_struct
+    if isinstance(struct, dict) and all(isinstance(v, keras.KerasTensor) for v in struct.values()):
+        return [str(path[0]) for path, _ in tree.flatten_with_path(struct)]
+    names = getattr(fn, "output_names", None) if isinstance(fn, Functional) else None
+    if names is not None and len(names) == len(output_keys):
+        return list(names)
+    return [k.rsplit(":", 2)[0] for k in output_keys]
