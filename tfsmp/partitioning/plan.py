@@ -110,8 +110,8 @@ class StagePlan:
                 f"Every stage needs at least one layer. Received: stages {empty} are empty "
                 f"(num_stages={num_stages}).")
         for group in graph.colocate:
-            stages = {assignment[n] for n in group if n in assignment}
-            if len(stages) > 1:
+            placed = {assignment[n] for n in group if n in assignment}
+            if len(placed) > 1:
                 where = ", ".join(f"'{n}'->{assignment[n]}" for n in sorted(group) if n in assignment)
                 raise PartitionError(
                     f"Layers that share a variable must be on one stage. Received: {where}. "

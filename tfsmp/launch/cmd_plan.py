@@ -1,0 +1,131 @@
+"""`tfsmp plan`: trace a Keras model, plan its stages, print the per-stage table, draw or save it.
+
+Example::
+
+    tfsmp plan my_models:build_resnet --partitions 4 --batch-size 32 --out plan.json --out plan.svg
+    tfsmp plan path/to/model.py:make --partitions 2 --optimize memory
+
+``FUNCTION`` is called without arguments and returns a Keras model. ``MODULE`` is a dotted module
+name importable from the current directory, or a path to a ``.py`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_function", "register", "run"]
+
+_OUT_SUFFIXES = (".json", ".png", ".svg", ".pdf")
+
+
+def load_function(spec: str) -> Callable[[], Any]:
+    """Resolves ``MODULE:FUNCTION`` (a dotted module or a ``.py`` path) to the function.
+
+    Raises:
+        ConfigError: The spec is malformed, or the module or function cannot be found.
+    """
+    from tfsmp.errors import ConfigError
+
+    module_name, sep, func_name = spec.rpartition(":")
+    if not sep or not module_name or not func_name:
+        raise ConfigError(
+            f"The model must be given as MODULE:FUNCTION. Received: {spec!r}. "
+            f"Example: my_models:build or path/to/file.py:build.")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        module = _load_file(Path(module_name))
+    else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))  # as `python -m` would
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            raise ConfigError(
+                f"Cannot import the model's module. Received: MODULE={module_name!r} ({e}). "
+                f"Run from the directory that holds it, or pass a file path.") from e
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ConfigError(
+            f"FUNCTION must be a callable returning a Keras model. Received: {func_name!r} "
+            f"in {module_name!r} is {type(func).__name__}.")
+    return func  # type: ignore[no-any-return]
+
+
+def _load_file(path: Path) -> Any:
+    from tfsmp.errors import ConfigError
+
+    if not path.is_file():
+        raise ConfigError(f"The model file must exist. Received: {str(path)!r}.")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"Cannot load a module from {str(path)!r}.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `tfsmp plan`; 0 on success, 2 for invalid input or an impossible plan."""
+    from tfsmp.errors import ConfigError, PartitionError, TraceError
+
+    bad = [p for p in args.out or [] if Path(p).suffix.lower() not in _OUT_SUFFIXES]
+    if bad:
+        print(f"tfsmp plan: error: --out must end in {', '.join(_OUT_SUFFIXES)}. "
+              f"Received: {bad}.", file=sys.stderr)
+        return 2
+    try:
+        return _plan(args)
+    except (ConfigError, PartitionError, TraceError) as e:
+        print(f"tfsmp plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from tfsmp.partitioning.api import optimizer_name, plan_model
+    from tfsmp.partitioning.report import draw_plan, format_report
+
+    model = load_function(args.model)()
+    plan, graph = plan_model(
+        model, args.partitions, optimize=args.optimize, batch_size=args.batch_size,
+        memory_weight=args.memory_weight, method=args.method, optimizer=args.optimizer)
+    print(format_report(plan, graph, optimize=args.optimize, memory_weight=args.memory_weight,
+                        optimizer=args.optimizer or optimizer_name(model),
+                        batch_size=args.batch_size or 1))
+    for out in args.out or []:
+        path = Path(out)
+        if path.suffix.lower() == ".json":
+            path.write_text(plan.to_json() + "\n")
+        else:
+            draw_plan(plan, graph, path)
+        print(f"wrote {path}")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Adds the `plan` sub-command."""
+    p = subparsers.add_parser(
+        "plan", help="plan a Keras model's pipeline stages and print the per-stage table",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODULE:FUNCTION",
+                   help="a function returning a Keras model (dotted module or file.py path)")
+    p.add_argument("--partitions", "-p", type=int, required=True, help="number of stages")
+    p.add_argument("--optimize", choices=("speed", "memory"), default="speed",
+                   help="balance compute (speed) or memory blended with compute (memory)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples per step, for the activation and traffic columns (default 1)")
+    p.add_argument("--memory-weight", type=float, default=None,
+                   help="weight of memory in the --optimize memory blend (default 0.8)")
+    p.add_argument("--method", choices=("auto", "metis", "contiguous"), default="auto",
+                   help="planner (auto: run both, keep the better objective)")
+    p.add_argument("--optimizer", default=None,
+                   help="optimizer name for optimizer-state memory (default: adam)")
+    p.add_argument("--out", action="append", metavar="PATH",
+                   help="write the plan: .json (StagePlan.to_json), .png/.svg/.pdf (drawing); "
+                        "repeatable")
+    p.set_defaults(func=run)
