@@ -1,0 +1,441 @@
+"""`DistributedModel`: a Keras model trained as a pipeline across MPI ranks.
+
+Example::
+
+    import tfsmp as smp
+    smp.init({"partitions": 2, "microbatches": 4})
+    model = smp.DistributedModel(keras_model)          # wrap any Keras model ...
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    model.fit(x, y, batch_size=64, epochs=3)           # ... and train it the Keras way
+
+    class Net(smp.DistributedModel):                   # or subclass it, SMP-style
+        def __init__(self):
+            super().__init__()
+            self.d1, self.d2 = keras.layers.Dense(64), keras.layers.Dense(10)
+        def call(self, x):
+            return self.d2(self.d1(x))
+
+At first use the model is traced, planned into ``partitions × virtual_stages`` stages (on world
+rank 0, then broadcast so every rank runs the same plan), and each rank keeps only its own
+stages' variables: a model built inside `deferred_init()` allocates nothing until then; a built
+model releases the variables other ranks own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfsmp.errors import StepError
+from tfsmp.keras.data import BatchSource, replica_share
+from tfsmp.runtime import microbatch as mbatch
+
+__all__ = ["DistributedModel", "deferred_init", "register_post_partition_hook"]
+
+_POST_PARTITION_HOOKS: list[Callable[[], Any]] = []
+
+
+def register_post_partition_hook(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Runs ``fn()`` on every rank right after the model is partitioned (usable as a decorator)."""
+    _POST_PARTITION_HOOKS.append(fn)
+    return fn
+
+
+@contextlib.contextmanager
+def deferred_init() -> Iterator[None]:
+    """Build a model inside this scope to allocate no weights until each rank takes its stage."""
+    from tfsmp.graph.deferred import deferred_scope
+
+    with deferred_scope():
+        yield
+
+
+class DistributedModel(keras.Model):  # type: ignore[misc]
+    """A Keras model whose layers run as pipeline stages across ranks. See the module docstring."""
+
+    def __init__(self, model: keras.Model | Callable[[], keras.Model] | None = None,
+                 *args: Any, **kwargs: Any) -> None:
+        if model is not None and not isinstance(model, keras.Model):
+            if callable(model):
+                with deferred_init():
+                    model = model()
+            if not isinstance(model, keras.Model):
+                raise TypeError(
+                    f"DistributedModel wraps a keras.Model (or a function returning one). "
+                    f"Received: {type(model).__name__}.")
+        name = kwargs.pop("name", None) or (f"distributed_{model.name}" if model is not None else None)
+        super().__init__(*args, name=name, **kwargs)
+        self._wrapped = model
+        if model is not None and hasattr(model, "output_names"):
+            self.output_names = model.output_names
+        self._engine: Any = None
+        self._state: Any = None
+        self._metrics_fn: Any = None
+        self._loss_reduction = "sum_over_batch_size"
+        self._train_counter = 0
+        self._loss_sum, self._loss_count = 0.0, 0
+
+    # -- Keras plumbing -----------------------------------------------------------------------
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        if self._wrapped is None:
+            raise NotImplementedError(
+                "A DistributedModel subclass must implement call(), or wrap a model: "
+                "DistributedModel(keras_model).")
+        if self._engine is not None and tf.executing_eagerly():
+            return self._pipelined_call(inputs)
+        return self._wrapped(inputs, training=training)
+
+    @property
+    def wrapped(self) -> keras.Model | None:
+        return self._wrapped
+
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
+                metrics: Any = None, weighted_metrics: Any = None, **kwargs: Any) -> None:
+        if kwargs.get("jit_compile") is True:
+            kwargs["jit_compile"] = False  # use the `xla` parameter: it compiles stage programs
+        kwargs.setdefault("jit_compile", False)
+        super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
+                        metrics=metrics, weighted_metrics=weighted_metrics, **kwargs)
+        self._loss_reduction = getattr(loss, "reduction", None) or "sum_over_batch_size"
+        self._metrics_fn = None
+        if self._engine is not None:
+            self._engine.optimizer = self.optimizer
+            self._engine._apply_fn = None
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _runtime_state(self) -> Any:
+        import tfsmp.core as core
+
+        if not core.is_initialized():
+            core.init()
+        return core.state()
+
+    def _rank_tag(self) -> str:
+        st = self._state
+        return f"[rank {st.rank} | stage {st.topology.stage_of(st.rank)}]"
+
+    def _source_model(self) -> keras.Model:
+        return self._wrapped if self._wrapped is not None else self
+
+    def _ensure_engine(self, sample_x: Any) -> Any:
+        if self._engine is not None:
+            return self._engine
+        from tfsmp.runtime.setup import build_engine
+
+        self._state = self._runtime_state()
+        self._engine = build_engine(
+            self._source_model(), sample_x, self._state,
+            loss=self._loss_callable(), optimizer=getattr(self, "optimizer", None),
+            loss_reduction=self._loss_reduction, rank_tag=self._rank_tag(),
+            subclassed=self._wrapped is None)
+        for hook in list(_POST_PARTITION_HOOKS):
+            hook()
+        return self._engine
+
+    def _loss_callable(self) -> Callable[..., tf.Tensor] | None:
+        compile_loss = getattr(self, "_compile_loss", None)
+        if compile_loss is None:
+            return None
+
+        def loss(y: Any, y_pred: Any, sample_weight: Any) -> tf.Tensor:
+            return compile_loss(y, y_pred, sample_weight)
+
+        return loss
+
+    @property
+    def plan(self) -> Any:
+        """The `StagePlan` in use (None before first use)."""
+        return None if self._engine is None else self._engine.plan
+
+    def partition(self, sample_x: Any) -> Any:
+        """Traces and partitions now (otherwise done at first use); returns the plan."""
+        return self._ensure_engine(sample_x).plan
+
+    # -- training ------------------------------------------------------------------------------
+
+    def _check_compiled(self) -> None:
+        if getattr(self, "_compile_loss", None) is None or getattr(self, "optimizer", None) is None:
+            raise StepError(
+                "fit needs a loss and an optimizer. Received: the model was not compiled with a "
+                "loss. Call model.compile(optimizer=..., loss=...) first.")
+
+    def _agree(self, value: Any) -> Any:
+        """Rank 0's value of ``value`` on every rank."""
+        return self._state.comm.world.bcast_obj(value, root=0)
+
+    def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                       class_weight: Any = None, return_dict: bool = False) -> Any:
+        """One optimizer step on one global batch; returns that batch's loss (as Keras does)."""
+        self._check_compiled()
+        engine = self._ensure_engine(x)
+        self._reset_metrics()
+        logs = self._train_batch(engine, x, y, sample_weight)
+        return logs if return_dict else logs["loss"]
+
+    def _train_batch(self, engine: Any, x: Any, y: Any, sw: Any) -> dict[str, float]:
+        st = self._state
+        if y is None and engine.is_last_rank:
+            raise StepError(
+                f"{self._rank_tag()} The loss needs targets. Received: y=None. Pass y to fit(), "
+                f"or yield (x, y) pairs from the dataset.")
+        d, r = st.topology.dp_size, st.topology.data_rank_of(st.rank)
+        share = [replica_share(v, r, d, engine.m) if v is not None else None for v in (x, y, sw)]
+        result = engine.train_step(*share)
+        self._train_counter += 1
+        return self._step_logs(engine, result, share[1], share[2], mbatch.batch_size_of(x))
+
+    def _step_logs(self, engine: Any, result: Any, y: Any, sw: Any, global_batch: int
+                   ) -> dict[str, float]:
+        logs: dict[str, float] | None = None
+        if engine.is_last_rank:
+            order = sorted(result.losses)
+            losses = [float(result.losses[i]) for i in order]
+            batch_loss = float(np.sum(losses)) if self._loss_reduction == "sum" else float(np.mean(losses))
+            if engine.dp_size > 1:
+                batch_loss = engine.comm.data.allreduce_obj(batch_loss, "sum") / engine.dp_size
+            self._loss_sum += batch_loss * global_batch
+            self._loss_count += global_batch
+            self._update_metrics(engine, result, y, sw)
+            logs = {"loss": self._loss_sum / max(self._loss_count, 1), **self._metric_results(engine)}
+        out: dict[str, float] = engine.comm.pipeline.bcast_obj(logs, root=engine.last_rank)
+        return out
+
+    def _update_metrics(self, engine: Any, result: Any, y: Any, sw: Any) -> None:
+        metrics = getattr(self, "_compile_metrics", None)
+        if metrics is None or y is None:
+            return
+        ys = mbatch.split(y, len(result.outputs))
+        ws = mbatch.split(sw, len(result.outputs)) if sw is not None else [None] * len(ys)
+        for i in sorted(result.outputs):
+            y_pred = engine.traced.pack_outputs(result.outputs[i])
+            yi = tf.nest.map_structure(tf.convert_to_tensor, ys[i])
+            wi = None if ws[i] is None else tf.nest.map_structure(tf.convert_to_tensor, ws[i])
+            if self._metrics_fn is None:
+                metrics.update_state(yi, y_pred, wi)  # eager first call builds the metrics
+                self._metrics_fn = tf.function(metrics.update_state)
+            else:
+                self._metrics_fn(yi, y_pred, wi)
+
+    def _metric_results(self, engine: Any) -> dict[str, float]:
+        metrics = getattr(self, "_compile_metrics", None)
+        if metrics is None or not metrics.built:
+            return {}
+        saved = None
+        if engine.dp_size > 1:  # sum metric states over replicas, read, then restore local ones
+            saved = [v.numpy() for v in metrics.variables]
+            for v in metrics.variables:
+                buf = np.array(v.numpy(), dtype=np.float64)
+                engine.comm.data.allreduce_(buf)
+                v.assign(buf.astype(v.dtype))
+        out = {k: float(np.asarray(v)) for k, v in metrics.result().items()}
+        if saved is not None:
+            for v, s in zip(metrics.variables, saved):
+                v.assign(s)
+        return out
+
+    def _reset_metrics(self) -> None:
+        self._loss_sum, self._loss_count = 0.0, 0
+        metrics = getattr(self, "_compile_metrics", None)
+        if metrics is not None and metrics.built:
+            metrics.reset_state()
+
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: Any = "auto", callbacks: list[Any] | None = None, validation_data: Any = None,
+            shuffle: bool = True, sample_weight: Any = None, initial_epoch: int = 0,
+            steps_per_epoch: int | None = None, validation_batch_size: int | None = None,
+            validation_freq: int = 1, **kwargs: Any) -> keras.callbacks.History:
+        """Keras `fit`, pipelined. ``batch_size`` is the global batch (split over replicas)."""
+        _reject(kwargs, ("validation_split", "class_weight"), "fit")
+        self._check_compiled()
+        self._state = self._runtime_state()
+        topo = self._state.topology
+        divisor = topo.dp_size * self._state.config.microbatches
+        entropy = int(np.random.SeedSequence().entropy or 0)  # type: ignore[arg-type]
+        seed = self._agree(entropy % (2**31) if self._state.config.seed is None
+                           else self._state.config.seed)
+        source = BatchSource(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+                             seed=seed, steps_per_epoch=steps_per_epoch, divisor=divisor)
+        verbose = 1 if verbose == "auto" else verbose
+        cb = keras.callbacks.CallbackList(
+            callbacks, add_history=True, add_progbar=bool(verbose) and self._state.rank == 0,
+            model=self, verbose=verbose, epochs=epochs, steps=source.num_batches)
+        self.stop_training = False
+        cb.on_train_begin()
+        logs: dict[str, float] = {}
+        for epoch in range(initial_epoch, epochs):
+            self._reset_metrics()
+            cb.on_epoch_begin(epoch)
+            for step, (xb, yb, wb) in enumerate(source.epoch(epoch)):
+                cb.on_train_batch_begin(step)
+                engine = self._ensure_engine(xb)
+                logs = self._train_batch(engine, xb, yb, wb)
+                cb.on_train_batch_end(step, logs)
+                if self.stop_training:
+                    break
+            epoch_logs = dict(logs)
+            if validation_data is not None and (epoch + 1) % validation_freq == 0:
+                vx, vy, vw = _unpack(validation_data)
+                val = self.evaluate(vx, vy, sample_weight=vw, verbose=0, return_dict=True,
+                                    batch_size=validation_batch_size or batch_size)
+                epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+            cb.on_epoch_end(epoch, epoch_logs)
+            if self.stop_training:
+                break
+        cb.on_train_end(logs)
+        return self.history
+
+    # -- inference -----------------------------------------------------------------------------
+
+    def _forward_batch(self, x: Any) -> Any:
+        """Pipelined forward of a global batch; returns merged outputs on every rank."""
+        engine = self._ensure_engine(x)
+        st = self._state
+        d, r = st.topology.dp_size, st.topology.data_rank_of(st.rank)
+        b = mbatch.batch_size_of(x)
+        if d > 1 and b % d == 0:
+            share = replica_share(x, r, d, 1)
+        else:
+            share, d = x, 1
+        result = engine.forward(share)
+        flat = None
+        if engine.is_last_rank:
+            parts = [[np.asarray(t) for t in result.outputs[i]] for i in sorted(result.outputs)]
+            flat = [np.concatenate([p[j] for p in parts]) for j in range(len(parts[0]))]
+            if d > 1:
+                gathered = engine.comm.data.allgather_obj(flat)
+                flat = [np.concatenate([g[j] for g in gathered]) for j in range(len(flat))]
+        return engine.comm.pipeline.bcast_obj(flat, root=engine.last_rank)
+
+    def _pipelined_call(self, inputs: Any) -> Any:
+        flat = self._forward_batch(tf.nest.map_structure(np.asarray, inputs))
+        return self._engine.traced.pack_outputs([tf.convert_to_tensor(v) for v in flat])
+
+    def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
+                steps: int | None = None, callbacks: Any = None) -> Any:
+        """Pipelined predict; the outputs are returned on every rank."""
+        self._state = self._runtime_state()
+        source = BatchSource(x, None, None, batch_size=batch_size, steps_per_epoch=steps)
+        chunks = [self._forward_batch(xb) for xb, _, _ in source.epoch(0)]
+        traced = self._engine.traced
+        flat = [np.concatenate([c[j] for c in chunks]) for j in range(len(chunks[0]))]
+        return traced.pack_outputs(flat)
+
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
+                 verbose: Any = "auto", sample_weight: Any = None, steps: int | None = None,
+                 callbacks: Any = None, return_dict: bool = False, **kwargs: Any) -> Any:
+        """Pipelined evaluate: loss and compiled metrics over the data, on every rank."""
+        self._state = self._runtime_state()
+        source = BatchSource(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps)
+        self._reset_metrics()
+        loss_sum, count = 0.0, 0
+        metrics = getattr(self, "_compile_metrics", None)
+        for xb, yb, wb in source.epoch(0):
+            flat = self._forward_batch(xb)
+            engine = self._engine
+            y_pred = engine.traced.pack_outputs([tf.convert_to_tensor(v) for v in flat])
+            yt = tf.nest.map_structure(tf.convert_to_tensor, yb)
+            wt = None if wb is None else tf.nest.map_structure(tf.convert_to_tensor, wb)
+            n = mbatch.batch_size_of(xb)
+            loss_sum += float(self._compile_loss(yt, y_pred, wt)) * n
+            count += n
+            if metrics is not None:
+                metrics.update_state(yt, y_pred, wt)
+        logs = {"loss": loss_sum / max(count, 1)}
+        if metrics is not None and metrics.built:
+            logs.update({k: float(np.asarray(v)) for k, v in metrics.result().items()})
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values[0] if len(values) == 1 else values
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def _all_variables(self) -> list[Any]:
+        return list(self._source_model().weights)
+
+    def _owned(self) -> set[int]:
+        engine = self._engine
+        names = {n for s in engine.stages for n in engine.plan.layers(s)}
+        mine = {id(v) for v in engine.traced.variables_of(names)}
+        return {i for i, v in enumerate(self._all_variables()) if id(v) in mine}
+
+    def get_weights(self) -> list[np.ndarray]:
+        """All weights of the whole model, in the wrapped model's order, on every rank."""
+        if self._engine is None:
+            return list(self._source_model().get_weights())
+        variables = self._all_variables()
+        owned = self._owned()
+        local = {i: variables[i].numpy() for i in owned}
+        merged: dict[int, np.ndarray] = {}
+        for part in self._engine.comm.pipeline.allgather_obj(local):
+            merged.update(part)
+        out: list[np.ndarray] = [merged[i] for i in range(len(variables))]
+        return out
+
+    def set_weights(self, weights: list[Any]) -> None:
+        """Sets all weights (the whole model's list); each rank assigns only its own."""
+        if self._engine is None:
+            self._source_model().set_weights(weights)
+            return
+        variables = self._all_variables()
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"set_weights needs one array per model weight. Received: {len(weights)} arrays "
+                f"for {len(variables)} weights.")
+        for i in self._owned():
+            if tuple(np.shape(weights[i])) != tuple(variables[i].shape):
+                raise ValueError(
+                    f"Weight shapes must match. Received: shape {np.shape(weights[i])} for "
+                    f"'{variables[i].path}' of shape {tuple(variables[i].shape)}.")
+            variables[i].assign(weights[i])
+
+    def held_variable_bytes(self) -> int:
+        """Bytes of model variables this rank holds."""
+        if self._engine is None:
+            return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in self._all_variables())
+        variables = self._all_variables()
+        return sum(int(np.prod(variables[i].shape)) * np.dtype(variables[i].dtype).itemsize
+                   for i in self._owned())
+
+    def summary(self, *args: Any, **kwargs: Any) -> None:
+        """Prints each layer with its stage (plan known) or the wrapped model's summary."""
+        if self._engine is None:
+            self._source_model().summary(*args, **kwargs)
+            return None
+        print_fn = kwargs.get("print_fn") or print
+        plan = self._engine.plan
+        graph = self._engine.traced.graph
+        width = max(len(n) for n in plan.stage_of)
+        print_fn(f"DistributedModel '{self.name}': {plan.num_stages} stages ({plan.planner} plan, "
+                 f"imbalance {plan.imbalance():.2f})")
+        print_fn(f"{'layer':<{width}}  {'kind':<22} {'stage':>5} {'params':>10}")
+        for name, stage in plan.stage_of.items():
+            node = graph.nodes[name]
+            print_fn(f"{name:<{width}}  {node.kind:<22} {stage:>5} {node.param_count:>10}")
+        return None
+
+
+def _reject(kwargs: dict[str, Any], names: tuple[str, ...], method: str) -> None:
+    for name in names:
+        if kwargs.get(name):
+            raise StepError(
+                f"DistributedModel.{method} does not support {name} yet. Received: "
+                f"{name}={kwargs[name]!r}. Pass validation_data= / sample_weight= instead.")
+    unknown = set(kwargs) - set(names)
+    if unknown:
+        raise TypeError(f"{method}() got unexpected keyword arguments: {sorted(unknown)}")
+
+
+def _unpack(data: Any) -> tuple[Any, Any, Any]:
+    if isinstance(data, tuple):
+        padded = (*data, None, None, None)
+        return padded[0], padded[1], padded[2]
+    return data, None, None
+

@@ -1,0 +1,208 @@
+"""The pipeline engine of one rank: plan, schedule, stage programs, reduction and optimizer step.
+
+Example::
+
+    engine = Engine(traced, config, state, loss=loss_fn, optimizer=opt)
+    result = engine.train_step(x, y, sample_weight)   # one optimizer step over the local batch
+    outputs = engine.forward(x)                        # pipelined inference, outputs on the last stage
+
+Roughly, for a training step on rank r (stages S_r = {s : s mod p = r}):
+    split batch into m microbatches -> run the lowered schedule (F/B/sends/receives)
+    -> REDUCE: sum each stage's gradient accumulators over its data-parallel replicas
+    -> STEP: optimizer.apply(accumulators, variables of S_r); zero accumulators
+Each microbatch loss is scaled by 1/(m·d), so the accumulated sum is the gradient of the mean
+loss over the global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfsmp.partitioning.plan import StagePlan
+from tfsmp.runtime import microbatch as mbatch
+from tfsmp.runtime.executor import Executor, MicroBatch, StepResult
+from tfsmp.runtime.stage import StageProgram
+from tfsmp.schedule.actions import Action, Op
+
+__all__ = ["Engine", "forward_only_schedule"]
+
+
+def forward_only_schedule(plan: StagePlan, num_ranks: int, rank: int, num_microbatches: int
+                          ) -> list[Action]:
+    """Inference actions of one rank: per microbatch, its stages in order, each with its
+    receives before and sends after. Acyclic stage order means it cannot deadlock."""
+    out: list[Action] = []
+    stages = [s for s in range(plan.num_stages) if s % num_ranks == rank]
+    for i in range(num_microbatches):
+        for s in stages:
+            out.extend(Action(s, Op.RECV_F, i, q) for q in plan.peers_backward(s))
+            out.append(Action(s, Op.FORWARD, i))
+            out.extend(Action(s, Op.SEND_F, i, c) for c in plan.peers_forward(s))
+    return out
+
+
+class Engine:
+    """One rank's share of a pipelined model. See the module docstring."""
+
+    def __init__(
+        self,
+        traced: Any,
+        plan: StagePlan,
+        schedule: dict[int, list[Action]],
+        *,
+        config: Any,
+        comm: Any,
+        rank_tag: str,
+        loss: Callable[..., tf.Tensor] | None,
+        optimizer: Any,
+        loss_reduction: str = "sum_over_batch_size",
+        tracer: Any = None,
+    ) -> None:
+        self.traced = traced
+        self.plan = plan
+        self.config = config
+        self.comm = comm
+        self.rank_tag = rank_tag
+        self.num_ranks = config.partitions
+        self.pipe_rank = comm.pipeline.rank
+        self.dp_size = comm.data.size
+        self.m = config.microbatches
+        self.stages = [s for s in range(plan.num_stages) if s % self.num_ranks == self.pipe_rank]
+        self.programs = {
+            s: StageProgram(traced, plan, s, optimize=config.optimize, loss=loss,
+                            jit_compile=bool(config.xla))
+            for s in self.stages}
+        self.last_rank = (plan.num_stages - 1) % self.num_ranks
+        self.is_last_rank = self.pipe_rank == self.last_rank
+        self.optimizer = optimizer
+        self.loss_reduction = loss_reduction
+        self.variables = [v for s in self.stages for v in self.programs[s].trainable]
+        self.accumulators = [a for s in self.stages for a in self.programs[s].accumulators]
+        self._train_actions = schedule[self.pipe_rank]
+        self._tracer = tracer
+        self._apply_fn: Any = None
+        self._eval_actions: dict[int, list[Action]] = {}
+        self._horovod = bool(config.horovod)
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def _microbatches(self, x: Any, y: Any, sample_weight: Any, m: int) -> list[MicroBatch]:
+        xs = mbatch.split(x, m)
+        ys = mbatch.split(y, m, what="target batch") if y is not None else [None] * m
+        ws = (mbatch.split(sample_weight, m, what="sample_weight batch")
+              if sample_weight is not None else [None] * m)
+        out = []
+        for xi, yi, wi in zip(xs, ys, ws):
+            packed = self.traced.pack_inputs(xi)
+            inputs = {k: tf.convert_to_tensor(v) for k, v in packed.items()}
+            out.append(MicroBatch(inputs, _to_tensors(yi), _to_tensors(wi),
+                                  size=mbatch.batch_size_of(xi)))
+        return out
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def train_step(self, x: Any, y: Any, sample_weight: Any = None) -> StepResult:
+        """One optimizer step over this replica's batch ``x`` (global batch / d rows)."""
+        scale = 1.0 if self.loss_reduction == "sum" else 1.0 / self.m
+        scale /= self.dp_size
+        for prog in self.programs.values():
+            prog.scale.assign(scale)
+        mbs = self._microbatches(x, y, sample_weight, self.m)
+        ex = Executor(self._train_actions, self.programs, self.plan, self.comm.pipeline,
+                      self.num_ranks, self.m, stall_timeout=self.config.stall_timeout,
+                      tracer=self._tracer, rank_tag=self.rank_tag)
+        return ex.run(mbs, train=True, reduce=self._reduce, step=self._apply)
+
+    def forward(self, x: Any, num_microbatches: int | None = None) -> StepResult:
+        """Pipelined inference; outputs land on the last stage's rank."""
+        m = num_microbatches or self.m
+        b = mbatch.batch_size_of(x)
+        if b % m:
+            m = 1  # a final partial batch in predict/evaluate runs unsplit
+        mbs = self._microbatches(x, None, None, m)
+        if m not in self._eval_actions:
+            self._eval_actions[m] = forward_only_schedule(self.plan, self.num_ranks, self.pipe_rank, m)
+        ex = Executor(self._eval_actions[m], self.programs, self.plan, self.comm.pipeline,
+                      self.num_ranks, m, stall_timeout=self.config.stall_timeout,
+                      tracer=self._tracer, rank_tag=self.rank_tag)
+        return ex.run(mbs, train=False)
+
+    # -- reduction and optimizer ---------------------------------------------------------------
+
+    def _reduce(self, stage: int) -> None:
+        prog = self.programs[stage]
+        accs = [a for i, a in enumerate(prog.accumulators) if i not in prog.sparse_parts]
+        if self.dp_size == 1 or not prog.accumulators:
+            return
+        if prog.sparse_parts:  # concatenate every replica's rows, in replica (= batch) order
+            mine = {i: (v.numpy(), x.numpy()) for i, (v, x) in prog.sparse_gradients().items()}
+            gathered = self.comm.data.allgather_obj(mine)
+            prog.sparse_parts = {i: [(tf.constant(g[i][0]), tf.constant(g[i][1])) for g in gathered]
+                                 for i in mine}
+        if self._horovod:
+            import horovod.tensorflow as hvd
+
+            summed = hvd.grouped_allreduce([a.value() for a in accs], op=hvd.Sum,
+                                           name=f"tfsmp_grads_stage{stage}")
+            for a, s in zip(accs, summed):
+                a.assign(s)
+            return
+        flat = np.concatenate([a.numpy().ravel() for a in accs]) if accs else np.zeros(0)
+        self.comm.data.allreduce_(flat)
+        offset = 0
+        for a in accs:
+            n = int(np.prod(a.shape))
+            a.assign(flat[offset:offset + n].reshape(a.shape))
+            offset += n
+
+    def _apply(self) -> None:
+        if not self.variables:
+            return
+        sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
+        offset = 0
+        for s in self.stages:
+            prog = self.programs[s]
+            for i, part in prog.sparse_gradients().items():
+                sparse[str(offset + i)] = part
+            prog.sparse_parts.clear()
+            offset += len(prog.trainable)
+        if self._apply_fn is None:
+            self.optimizer.build(self.variables)
+            variables, accs = self.variables, self.accumulators
+
+            def apply(sparse: dict[str, tuple[tf.Tensor, tf.Tensor]]) -> None:
+                grads: list[Any] = []
+                for i, a in enumerate(accs):
+                    if str(i) in sparse:
+                        values, indices = sparse[str(i)]
+                        grads.append(tf.IndexedSlices(values, indices, tf.shape(a, tf.int64)))
+                    else:
+                        grads.append(a.value())
+                self.optimizer.apply(grads, variables)
+                for a in accs:
+                    a.assign(tf.zeros_like(a))
+
+            self._apply_fn = tf.function(apply, jit_compile=bool(self.config.xla),
+                                         reduce_retracing=True)
+        self._apply_fn(sparse)
+
+    def held_bytes(self) -> int:
+        """Bytes of model variables this rank holds (its stages only)."""
+        names = {n for s in self.stages for n in self.plan.layers(s)}
+        return sum(int(np.prod(v.shape)) * v.dtype_size_bytes()
+                   if hasattr(v, "dtype_size_bytes") else int(np.prod(v.shape)) * 4
+                   for v in self.traced.variables_of(names))
+
+
+def _to_tensors(structure: Any) -> Any:
+    if structure is None:
+        return None
+    if isinstance(structure, dict):
+        return {k: _to_tensors(v) for k, v in structure.items()}
+    if isinstance(structure, (list, tuple)):
+        return type(structure)(_to_tensors(v) for v in structure)
+    return tf.convert_to_tensor(structure)

@@ -1,0 +1,267 @@
+"""Runs one rank's lowered schedule: a dispatch table from action to handler.
+
+Example::
+
+    ex = Executor(actions, programs, plan, comm.pipeline, num_ranks=2, num_microbatches=4)
+    result = ex.run(microbatches, train=True, reduce=engine.reduce, step=engine.apply)
+
+[Note: pre-posted receives] Before the first action of a step, every receive of the step is
+posted (``Irecv`` into a fresh buffer) and every send is non-blocking. Large messages travel by
+MPI's rendezvous protocol, so a sender would otherwise stall until its peer reached the matching
+receive (DESIGN.md: without pre-posting the 2-stage prototype was slower than one process).
+With all receives posted, a schedule whose receives are satisfiable in order cannot deadlock,
+which is what the schedule validator checks.
+
+[Note: tags] A message is one boundary tensor of one microbatch in one direction; its tag comes
+from `tfsmp.schedule.actions.message_tag` (boundary index, consumer stage, microbatch, direction),
+which every rank computes identically from the plan. Stage pairs on the same rank (virtual
+stages) hand tensors over in memory under the same key.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfsmp.errors import StepError
+from tfsmp.partitioning.plan import Boundary, StagePlan
+from tfsmp.runtime.stage import StageProgram, is_differentiable
+from tfsmp.schedule.actions import message_tag
+
+__all__ = ["Executor", "MicroBatch", "StepResult"]
+
+
+@dataclass
+class MicroBatch:
+    """One microbatch as the stages see it: model inputs by tensor key, targets, weights."""
+
+    inputs: dict[str, Any]
+    y: Any = None
+    sample_weight: Any = None
+    size: int = 0
+
+
+@dataclass
+class StepResult:
+    losses: dict[int, tf.Tensor] = field(default_factory=dict)   # microbatch -> loss (last stage)
+    outputs: dict[int, list[tf.Tensor]] = field(default_factory=dict)  # microbatch -> outputs
+    max_held: int = 0  # peak microbatches whose activations a rank held
+
+
+@dataclass
+class _Pending:
+    boundaries: list[Boundary]
+    buffers: list[np.ndarray]
+    requests: list[Any]
+
+
+class Executor:
+    """Executes one rank's actions for one step. See the module docstring."""
+
+    def __init__(
+        self,
+        actions: list[Any],
+        programs: dict[int, StageProgram],
+        plan: StagePlan,
+        group: Any,
+        num_ranks: int,
+        num_microbatches: int,
+        *,
+        stall_timeout: float = 600.0,
+        tracer: Any = None,
+        rank_tag: str = "",
+    ) -> None:
+        self.actions = actions
+        self.programs = programs
+        self.plan = plan
+        self.group = group
+        self.num_ranks = num_ranks
+        self.m = num_microbatches
+        self.stall_timeout = stall_timeout
+        self.tracer = tracer
+        self.rank_tag = rank_tag
+        self.current: Any = None
+        self._pairs: dict[tuple[int, int], list[Boundary]] = {}
+        for b in plan.boundaries:
+            for c in b.consumers:
+                self._pairs.setdefault((b.producer, c), []).append(b)
+        self._dispatch: dict[str, Callable[[Any], None]] = {
+            "F": self._forward, "B": self._backward,
+            "SEND_F": self._send_forward, "RECV_F": self._recv_forward,
+            "SEND_B": self._send_backward, "RECV_B": self._recv_backward,
+            "REDUCE": self._reduce, "STEP": self._step,
+        }
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _rank(self, stage: int) -> int:
+        return stage % self.num_ranks
+
+    def _local(self, stage: int) -> bool:
+        return bool(self._rank(stage) == self.group.rank)
+
+    def _pair(self, producer: int, consumer: int, backward: bool) -> list[Boundary]:
+        bs = self._pairs.get((producer, consumer), [])
+        return [b for b in bs if is_differentiable(b.dtype)] if backward else bs
+
+    def _tag(self, b: Boundary, consumer: int, mb: int, backward: bool) -> int:
+        return message_tag(b.index, consumer, mb, backward, self.plan.num_stages, self.m)
+
+    def _buffer(self, b: Boundary, mb_size: int) -> np.ndarray:
+        if any(d is None for d in b.shape):
+            raise StepError(
+                f"{self.rank_tag} Tensors crossing stages need fully known per-sample shapes. "
+                f"Received: '{b.tensor}' with shape {b.shape}. Give the model's Input a fixed "
+                f"shape, or partition so that this tensor stays inside one stage.")
+        dtype = tf.as_dtype(b.dtype).as_numpy_dtype
+        shape = (mb_size, *(int(d) for d in b.shape if d is not None))
+        return np.empty(shape, dtype=dtype)
+
+    def _wait(self, requests: list[Any], what: str) -> None:
+        """Waits for requests, polling so that a stall is diagnosed instead of hanging."""
+        deadline = time.monotonic() + self.stall_timeout if self.stall_timeout > 0 else None
+        pending = list(requests)
+        spins = 0
+        while pending:
+            pending = [r for r in pending if not r.test()]
+            if not pending:
+                return
+            spins += 1
+            if spins > 200:
+                time.sleep(min(1e-3, 1e-5 * spins))
+            if deadline is not None and time.monotonic() > deadline:
+                raise StepError(
+                    f"{self.rank_tag} waited more than stall_timeout={self.stall_timeout}s for "
+                    f"{what} (action {self.current}). A peer rank is stuck or failed; see its "
+                    f"output. Raise stall_timeout in the config if steps are legitimately slow.")
+
+    # -- a step --------------------------------------------------------------------------------
+
+    def run(self, microbatches: list[MicroBatch], *, train: bool,
+            reduce: Callable[[int], None] | None = None,
+            step: Callable[[], None] | None = None) -> StepResult:
+        self.mbs = microbatches
+        self.train = train
+        self.reduce_fn = reduce
+        self.step_fn = step
+        self.result = StepResult()
+        self.posted: dict[tuple[str, int, int, int], _Pending] = {}
+        self.mailbox: dict[tuple[str, int, int, int], list[tf.Tensor]] = {}
+        self.received: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
+        self.produced: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
+        self.grad_in: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
+        self.grad_out: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
+        self.sends: list[tuple[Any, np.ndarray]] = []
+        self._post_receives()
+        for action in self.actions:
+            self.current = action
+            if self.tracer is not None:
+                with self.tracer.event(str(action), action.op.value):
+                    self._dispatch[action.op.value](action)
+            else:
+                self._dispatch[action.op.value](action)
+        self.current = "waiting for sends"
+        self._wait([r for r, _ in self.sends], "sends to complete")
+        self.sends.clear()
+        return self.result
+
+    def _post_receives(self) -> None:
+        for a in self.actions:
+            op = a.op.value
+            if op not in ("RECV_F", "RECV_B") or self._local(a.peer):
+                continue
+            backward = op == "RECV_B"
+            producer, consumer = (a.stage, a.peer) if backward else (a.peer, a.stage)
+            bs = self._pair(producer, consumer, backward)
+            size = self.mbs[a.microbatch].size
+            buffers = [self._buffer(b, size) for b in bs]
+            src = self._rank(a.peer)
+            reqs = [self.group.irecv(buf, src, self._tag(b, consumer, a.microbatch, backward))
+                    for b, buf in zip(bs, buffers)]
+            self.posted[(op, a.stage, a.peer, a.microbatch)] = _Pending(bs, buffers, reqs)
+
+    def _transmit(self, kind: str, stage: int, peer: int, mb: int, bs: list[Boundary],
+                  tensors: list[tf.Tensor], consumer: int) -> None:
+        if self._local(peer):
+            self.mailbox[(kind, peer, stage, mb)] = tensors
+            return
+        for b, t in zip(bs, tensors):
+            buf = np.ascontiguousarray(t.numpy())
+            req = self.group.isend(buf, self._rank(peer), self._tag(b, consumer, mb, kind == "RECV_B"))
+            self.sends.append((req, buf))
+
+    def _collect(self, kind: str, a: Any) -> tuple[list[Boundary], list[tf.Tensor]]:
+        if self._local(a.peer):
+            backward = kind == "RECV_B"
+            producer, consumer = (a.stage, a.peer) if backward else (a.peer, a.stage)
+            return self._pair(producer, consumer, backward), self.mailbox.pop((kind, a.stage, a.peer, a.microbatch))
+        pending = self.posted.pop((kind, a.stage, a.peer, a.microbatch))
+        self._wait(pending.requests, f"{'gradients' if kind == 'RECV_B' else 'activations'} of "
+                   f"microbatch {a.microbatch} from stage {a.peer}")
+        return pending.boundaries, [tf.convert_to_tensor(buf) for buf in pending.buffers]
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    def _recv_forward(self, a: Any) -> None:
+        bs, ts = self._collect("RECV_F", a)
+        self.received.setdefault((a.stage, a.microbatch), {}).update(
+            (b.index, t) for b, t in zip(bs, ts))
+
+    def _forward(self, a: Any) -> None:
+        prog = self.programs[a.stage]
+        mb = self.mbs[a.microbatch]
+        inputs = [mb.inputs[k] for k in prog.input_keys]
+        got = self.received.pop((a.stage, a.microbatch), {})
+        recv = [got[b.index] for b in prog.recv]
+        if prog.is_last and self.train:
+            loss, outputs = prog.forward_backward_last(a.microbatch, inputs, recv, mb.y, mb.sample_weight)
+            self.result.losses[a.microbatch] = loss
+            self.result.outputs[a.microbatch] = outputs
+            sends: list[tf.Tensor] = []
+        elif self.train:
+            sends = prog.forward(a.microbatch, inputs, recv)
+            self.result.max_held = max(self.result.max_held, prog.held_microbatches())
+        else:
+            sends, outputs = prog.evaluate(inputs, recv)
+            if prog.is_last:
+                self.result.outputs[a.microbatch] = outputs
+        self.produced[(a.stage, a.microbatch)] = {b.index: t for b, t in zip(prog.send, sends)}
+
+    def _send_forward(self, a: Any) -> None:
+        bs = self._pair(a.stage, a.peer, False)
+        out = self.produced[(a.stage, a.microbatch)]
+        self._transmit("RECV_F", a.stage, a.peer, a.microbatch, bs, [out[b.index] for b in bs], a.peer)
+
+    def _recv_backward(self, a: Any) -> None:
+        bs, ts = self._collect("RECV_B", a)
+        acc = self.grad_in.setdefault((a.stage, a.microbatch), {})
+        for b, t in zip(bs, ts):
+            acc[b.index] = acc[b.index] + t if b.index in acc else t
+
+    def _backward(self, a: Any) -> None:
+        prog = self.programs[a.stage]
+        self.produced.pop((a.stage, a.microbatch), None)
+        got = self.grad_in.pop((a.stage, a.microbatch), {})
+        size = self.mbs[a.microbatch].size
+        dys = [got[b.index] if b.index in got else
+               tf.zeros((size, *b.shape), dtype=tf.as_dtype(b.dtype)) for b in prog.send]
+        grads = prog.backward(a.microbatch, dys)
+        self.grad_out[(a.stage, a.microbatch)] = {b.index: g for b, g in zip(prog.recv, grads)}
+
+    def _send_backward(self, a: Any) -> None:
+        bs = self._pair(a.peer, a.stage, True)
+        out = self.grad_out[(a.stage, a.microbatch)]
+        self._transmit("RECV_B", a.stage, a.peer, a.microbatch, bs, [out[b.index] for b in bs], a.stage)
+
+    def _reduce(self, a: Any) -> None:
+        if self.reduce_fn is not None:
+            self.reduce_fn(a.stage)
+
+    def _step(self, a: Any) -> None:
+        if self.step_fn is not None:
+            self.step_fn()

@@ -1,0 +1,80 @@
+"""Builds a rank's `Engine` from a Keras model: trace, plan (agreed by all ranks), take own stage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tfsmp.errors import PartitionError
+from tfsmp.partitioning.plan import StagePlan
+from tfsmp.runtime.engine import Engine
+
+__all__ = ["build_engine", "make_plan", "make_schedule"]
+
+
+def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str, int] | None = None
+              ) -> StagePlan:
+    """The plan for ``config``: from ``partition_file``, manual scopes, or the automatic planners."""
+    if config.partition_file:
+        with open(config.partition_file) as f:
+            plan = StagePlan.from_json(f.read())
+        if plan.num_stages != config.num_stages:
+            raise PartitionError(
+                f"The plan in partition_file must have partitions × virtual_stages stages. "
+                f"Received: {plan.num_stages} stages in {config.partition_file}, config wants "
+                f"{config.num_stages}.")
+        return StagePlan.from_assignment(traced.graph, plan.stage_of, plan.num_stages,
+                                         planner="file")
+    from tfsmp.partitioning.planner import plan_graph
+
+    method = "auto" if config.auto_partition else "manual"
+    opt_name = type(optimizer).__name__.lower() if optimizer is not None else None
+    return plan_graph(
+        traced.graph, config.num_stages, optimize=config.optimize,
+        memory_weight=config.effective_memory_weight, method=method, manual=manual or {},
+        default_partition=config.default_partition, contiguous=config.contiguous,
+        optimizer=opt_name)
+
+
+def make_schedule(plan: StagePlan, config: Any, data_parallel: bool) -> dict[int, list[Any]]:
+    from tfsmp.schedule.generators import generate
+    from tfsmp.schedule.lowering import lower
+
+    compute = generate(config.pipeline, config.partitions, config.microbatches,
+                       virtual_stages=config.virtual_stages,
+                       active_microbatches=config.active_microbatches)
+    return lower(compute, plan, config.partitions, data_parallel=data_parallel)
+
+
+def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int]) -> None:
+    from tfsmp.graph.deferred import is_deferred, materialize, release
+
+    mine = {n for s in stages for n in plan.layers(s)}
+    own = traced.variables_of(mine)
+    own_ids = {id(v) for v in own}
+    others = [v for v in traced.variables_of(set(plan.stage_of)) if id(v) not in own_ids]
+    materialize([v for v in own if is_deferred(v)])
+    release([v for v in others if not is_deferred(v)])
+
+
+def build_engine(model: Any, sample_x: Any, state: Any, *, loss: Any, optimizer: Any,
+                 loss_reduction: str, rank_tag: str, subclassed: bool,
+                 manual: dict[str, int] | None = None) -> Engine:
+    from tfsmp.graph.tracer import trace
+
+    config = state.config
+    traced = trace(model, sample_input=sample_x)
+    world = state.comm.world
+    text = None
+    if world.rank == 0:
+        text = make_plan(traced, config, optimizer, manual).to_json()
+    plan = StagePlan.from_json(world.bcast_obj(text, root=0))
+    stages = [s for s in range(plan.num_stages) if s % config.partitions == state.comm.pipeline.rank]
+    _take_own_stage(traced, plan, stages)
+    schedule = make_schedule(plan, config, data_parallel=state.comm.data.size > 1)
+    tracer = None
+    if config.trace_dir:
+        from tfsmp.runtime.timeline import Tracer
+
+        tracer = Tracer(config.trace_dir, state.rank)
+    return Engine(traced, plan, schedule, config=config, comm=state.comm, rank_tag=rank_tag,
+                  loss=loss, optimizer=optimizer, loss_reduction=loss_reduction, tracer=tracer)
