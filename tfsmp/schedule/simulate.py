@@ -1,0 +1,200 @@
+"""The schedule simulator: makespan, bubble (idle) fraction and peak held activations per rank.
+
+Example::
+
+    result = simulate(generate("interleaved", 4, 8), forward_time=1.0, backward_time=2.0)
+    result.bubble_fraction        # 0.2727... = (p-1)/(m+p-1) = 3/11
+    result.peak_activations       # [4, 3, 2, 1]
+
+[Note: cost model] Each rank runs its actions in order. A forward or backward of stage s takes
+``forward_time[s]`` / ``backward_time[s]``. A send costs its rank nothing (the runtime never
+blocks in one) and its message arrives ``comm_time`` later (nothing for a hand-off between two
+stages of one rank); a receive waits until its message has arrived. REDUCE runs in the
+background on the rank's reduction channel, one after another, taking ``reduce_time[s]``
+divided among the stage's buckets; STEP waits for them and takes ``step_time``. A rank's bubble
+is its idle share of the makespan, ``1 - busy/makespan`` with busy = its forward and backward
+time; the overall bubble is ``1 - Σ busy / (p · makespan)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from tfsmp.errors import ScheduleError
+from tfsmp.schedule.actions import Action, MessageKey, Op, Schedule, message_key, rank_of_stage
+from tfsmp.schedule.links import Links
+from tfsmp.schedule.lowering import lower, num_stages_of
+from tfsmp.schedule.validate import peak_activations, validate
+
+__all__ = ["SimResult", "TimelineEntry", "simulate"]
+
+
+class TimelineEntry(NamedTuple):
+    """One action as simulated: a receive's span is its wait, a REDUCE's its transfer."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What `simulate` predicts for one step. Times are in the units of the inputs."""
+
+    num_ranks: int
+    makespan: float
+    busy: list[float]
+    bubble_fraction: float
+    rank_bubble_fraction: list[float]
+    peak_activations: list[int]
+    timeline: list[TimelineEntry]  # by rank, each rank's actions in program order
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary (no timeline) as JSON-ready values."""
+        return {
+            "num_ranks": self.num_ranks,
+            "makespan": self.makespan,
+            "busy": self.busy,
+            "bubble_fraction": self.bubble_fraction,
+            "rank_bubble_fraction": self.rank_bubble_fraction,
+            "peak_activations": self.peak_activations,
+        }
+
+
+Times = float | Sequence[float]
+
+
+def simulate(schedule: Schedule, *, forward_time: Times = 1.0, backward_time: Times = 2.0,
+             comm_time: Callable[[Action], float] | float = 0.0, reduce_time: Times = 0.0,
+             step_time: float = 0.0, num_ranks: int | None = None,
+             links: Links | None = None) -> SimResult:
+    """Simulates one step of a schedule under [Note: cost model].
+
+    Args:
+        schedule: compute-only (then lowered along ``links``, without REDUCE) or lowered.
+        forward_time: seconds of one microbatch's forward, one value or one per stage.
+        backward_time: the same for backward.
+        comm_time: seconds from a cross-rank send to its arrival: a number, or a function of
+            the SEND action.
+        reduce_time: seconds of one stage's gradient reduction (one value or per stage).
+        step_time: seconds of the optimizer step.
+        num_ranks: pipeline ranks; defaults to ``len(schedule)``.
+        links: stage graph (`StagePlan` or `StageLinks`); default the chain.
+
+    Returns:
+        Makespan, busy time and bubble fraction per rank and overall, peak held activation
+        sets per rank, and the timeline.
+
+    Raises:
+        ScheduleError: the schedule is invalid (see `tfsmp.schedule.validate`) or a time list
+            has the wrong length.
+    """
+    p = len(schedule) if num_ranks is None else num_ranks
+    lowered = schedule
+    if all(a.is_compute for acts in schedule.values() for a in acts):
+        lowered = lower(schedule, links, p, data_parallel=False)
+    validate(lowered, links=links)
+    stages = num_stages_of(lowered)
+    costs = _Costs(
+        forward=_per_stage("forward_time", forward_time, stages),
+        backward=_per_stage("backward_time", backward_time, stages),
+        reduce=_per_stage("reduce_time", reduce_time, stages),
+        comm=comm_time, step=step_time, num_ranks=p,
+        buckets={a.stage: 0 for acts in lowered.values() for a in acts if a.op is Op.REDUCE})
+    for acts in lowered.values():
+        for a in acts:
+            if a.op is Op.REDUCE:
+                costs.buckets[a.stage] += 1
+    timeline = _run(lowered, costs)
+    return _summarize(lowered, timeline, p)
+
+
+@dataclass
+class _Costs:
+    forward: list[float]
+    backward: list[float]
+    reduce: list[float]
+    comm: Callable[[Action], float] | float
+    step: float
+    num_ranks: int
+    buckets: dict[int, int]
+
+    def message(self, a: Action) -> float:
+        if a.peer is None or rank_of_stage(a.peer, self.num_ranks) == rank_of_stage(
+                a.stage, self.num_ranks):
+            return 0.0
+        return float(self.comm(a)) if callable(self.comm) else float(self.comm)
+
+
+def _per_stage(name: str, value: Times, stages: int) -> list[float]:
+    if isinstance(value, int | float):
+        return [float(value)] * stages
+    values = [float(x) for x in value]
+    if len(values) != stages:
+        raise ScheduleError(
+            f"{name} needs one value per stage. Received: {len(values)} values for {stages} "
+            f"stages. Pass a number for balanced stages.")
+    return values
+
+
+def _run(schedule: Schedule, costs: _Costs) -> list[TimelineEntry]:
+    """Event-driven run of every rank in program order; validated, so it cannot stall."""
+    pc = dict.fromkeys(schedule, 0)
+    clock = dict.fromkeys(schedule, 0.0)
+    channel = dict.fromkeys(schedule, 0.0)  # when the rank's reduction channel is free
+    arrival: dict[MessageKey, float] = {}
+    timeline: list[TimelineEntry] = []
+    while any(pc[r] < len(schedule[r]) for r in schedule):
+        for rank, actions in schedule.items():
+            while pc[rank] < len(actions):
+                a = actions[pc[rank]]
+                key = message_key(a)
+                if a.op in (Op.RECV_F, Op.RECV_B) and key not in arrival:
+                    break
+                start, end = _time(a, clock[rank], channel[rank], arrival, costs)
+                if a.op is Op.REDUCE:
+                    channel[rank] = end
+                else:
+                    clock[rank] = end
+                if a.op in (Op.SEND_F, Op.SEND_B):
+                    arrival[key] = start + costs.message(a)
+                timeline.append(TimelineEntry(rank, a, start, end))
+                pc[rank] += 1
+    return timeline
+
+
+def _time(a: Action, clock: float, channel: float,
+          arrival: dict[MessageKey, float], costs: _Costs) -> tuple[float, float]:
+    """(start, end) of one action given the rank's clock and reduction channel."""
+    if a.op is Op.FORWARD:
+        return clock, clock + costs.forward[a.stage]
+    if a.op is Op.BACKWARD:
+        return clock, clock + costs.backward[a.stage]
+    if a.op in (Op.RECV_F, Op.RECV_B):
+        return clock, max(clock, arrival[message_key(a)])
+    if a.op is Op.REDUCE:
+        start = max(clock, channel)
+        return start, start + costs.reduce[a.stage] / max(1, costs.buckets.get(a.stage, 1))
+    if a.op is Op.STEP:
+        start = max(clock, channel)
+        return start, start + costs.step
+    return clock, clock
+
+
+def _summarize(schedule: Schedule, timeline: list[TimelineEntry], p: int) -> SimResult:
+    makespan = max((e.end for e in timeline), default=0.0)
+    busy = [0.0] * p
+    for e in timeline:
+        if e.action.is_compute:
+            busy[e.rank] += e.end - e.start
+    if makespan > 0:
+        rank_bubble = [1.0 - b / makespan for b in busy]
+        bubble = 1.0 - sum(busy) / (p * makespan)
+    else:
+        rank_bubble, bubble = [0.0] * p, 0.0
+    return SimResult(num_ranks=p, makespan=makespan, busy=busy, bubble_fraction=bubble,
+                     rank_bubble_fraction=rank_bubble, peak_activations=peak_activations(schedule),
+                     timeline=sorted(timeline, key=lambda e: e.rank))  # stable: program order
