@@ -4,7 +4,8 @@ Each launch runs many configurations (`tests/mpi/scripts/runtime_cases.py` re-in
 per case). Models: an MLP, a residual CNN whose skip crosses a stage cut, a multi-input /
 multi-output model, a model with a layer used twice, a small Transformer, and an embedding model
 whose sparse gradients go through Adam. Stages p ∈ {1, 2, 4}, microbatches m ∈ {1, 2, 4, 8},
-both pipelines, both `optimize` modes, data-parallel degree 1, 2 and 4 (MPI and Horovod).
+both pipelines, both `optimize` modes, 1 or 2 virtual stages per rank, data-parallel degree
+1, 2 and 4 (MPI and Horovod). Tolerance: rtol 1e-5, atol 1e-6 (float32).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ TWO_RANKS = [
     "shared:2:4:interleaved:memory", "shared:2:1:simple:speed",
     "transformer:2:4:interleaved:speed", "transformer:2:8:simple:memory",
     "embed:2:4:interleaved:speed:adam", "embed:1:4:simple:memory:adam",  # sparse grads, d=2
+    "mlp:2:4:interleaved:speed:v2", "rescnn:2:8:interleaved:memory:v2",   # 2 virtual stages/rank
+    "transformer:2:4:interleaved:speed:v2",
 ]
 
 FOUR_RANKS = [

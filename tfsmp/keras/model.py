@@ -135,6 +135,12 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             loss=self._loss_callable(), optimizer=getattr(self, "optimizer", None),
             loss_reduction=self._loss_reduction, rank_tag=self._rank_tag(),
             subclassed=self._wrapped is None)
+        import importlib.util
+
+        if importlib.util.find_spec("tfsmp.checkpoint.export") is not None:
+            from tfsmp.checkpoint import export
+
+            export.apply_pending(self)  # weights or a checkpoint restored before partitioning
         for hook in list(_POST_PARTITION_HOOKS):
             hook()
         return self._engine
@@ -181,7 +187,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
     def _train_batch(self, engine: Any, x: Any, y: Any, sw: Any) -> dict[str, float]:
         st = self._state
-        if y is None and engine.is_last_rank:
+        if y is None:  # every rank sees the same batch, so every rank raises, before any message
             raise StepError(
                 f"{self._rank_tag()} The loss needs targets. Received: y=None. Pass y to fit(), "
                 f"or yield (x, y) pairs from the dataset.")
@@ -395,6 +401,31 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
                     f"Weight shapes must match. Received: shape {np.shape(weights[i])} for "
                     f"'{variables[i].path}' of shape {tuple(variables[i].shape)}.")
             variables[i].assign(weights[i])
+
+    def save(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
+        """Writes the whole model as a plain Keras file (``.keras``) or weights (``.weights.h5``).
+        Call on every rank; rank 0 writes."""
+        from tfsmp.checkpoint import export
+
+        export.save(self, filepath, overwrite=overwrite, **kwargs)
+
+    def save_weights(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
+        """Writes a standard Keras ``.weights.h5`` of the whole model (every rank calls)."""
+        from tfsmp.checkpoint import export
+
+        export.save_weights(self, filepath, overwrite=overwrite)
+
+    def load_weights(self, filepath: str, skip_mismatch: bool = False, **kwargs: Any) -> None:
+        """Loads plain-Keras weights; each rank reads only its own variables."""
+        from tfsmp.checkpoint import export
+
+        export.load_weights(self, filepath, skip_mismatch=skip_mismatch)
+
+    def save_model(self, save_path: str = "/opt/ml/model") -> None:
+        """SMP's `save_model`: the whole unpartitioned model as a TensorFlow SavedModel."""
+        from tfsmp.checkpoint import export
+
+        export.save_model(self, save_path)
 
     def held_variable_bytes(self) -> int:
         """Bytes of model variables this rank holds."""

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.runtime import microbatch as mbatch
 from tfsmp.runtime.executor import Executor, MicroBatch, StepResult
@@ -87,10 +88,41 @@ class Engine:
         self._apply_fn: Any = None
         self._eval_actions: dict[int, list[Action]] = {}
         self._horovod = bool(config.horovod)
+        self._executor: Executor | None = None
+        self._finite_fn: Any = None
+        self.steps = 0
+        self.skipped_steps = 0
+        # mixed_float16 wraps the optimizer in a LossScaleOptimizer (it has `inner_optimizer`;
+        # `dynamic_scale` appears only once built, so test the wrapper, then build on every rank).
+        self._loss_scaled = optimizer is not None and hasattr(optimizer, "inner_optimizer")
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.variables)
+        if self._loss_scaled:  # mixed_float16: the last stage multiplies its loss by the scale
+            for prog in self.programs.values():
+                prog.loss_scaler = optimizer.scale_loss
 
     # -- data ----------------------------------------------------------------------------------
 
+    def check_inputs(self, x: Any) -> None:
+        """Every input's per-sample shape must match the traced model's, before any message.
+
+        Raises:
+            StepError: naming the input, on every rank alike (all ranks see the same batch).
+        """
+        packed = self.traced.pack_inputs(x)
+        for key, value in packed.items():
+            want = self.traced.graph.tensors[key].shape
+            got = tuple(np.shape(value))[1:]
+            if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
+                name = key.split(":")[0]
+                raise StepError(
+                    f"{self.rank_tag} Every batch must have the per-sample shape the model was "
+                    f"traced with. Received: input '{name}' with shape {got}, expected "
+                    f"{tuple(want)}. Pad or crop batches to one shape (shapes may not change "
+                    f"between batches of a pipelined model).")
+
     def _microbatches(self, x: Any, y: Any, sample_weight: Any, m: int) -> list[MicroBatch]:
+        self.check_inputs(x)
         xs = mbatch.split(x, m)
         ys = mbatch.split(y, m, what="target batch") if y is not None else [None] * m
         ws = (mbatch.split(sample_weight, m, what="sample_weight batch")
@@ -115,6 +147,8 @@ class Engine:
         ex = Executor(self._train_actions, self.programs, self.plan, self.comm.pipeline,
                       self.num_ranks, self.m, stall_timeout=self.config.stall_timeout,
                       tracer=self._tracer, rank_tag=self.rank_tag)
+        self._executor = ex
+        self.steps += 1
         return ex.run(mbs, train=True, reduce=self._reduce, step=self._apply)
 
     def forward(self, x: Any, num_microbatches: int | None = None) -> StepResult:
@@ -159,7 +193,47 @@ class Engine:
             a.assign(flat[offset:offset + n].reshape(a.shape))
             offset += n
 
+    def _all_finite(self) -> bool:
+        """[Note: consistent skips] Whether every gradient of every rank is finite. All ranks
+        decide together (one small allgather), so an update is applied or skipped everywhere
+        alike and loss-scale state stays identical across ranks."""
+        if self._finite_fn is None:
+            accs = self.accumulators
+
+            def finite() -> tf.Tensor:
+                flags = [tf.reduce_all(tf.math.is_finite(a)) for a in accs]
+                return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+            self._finite_fn = tf.function(finite)
+        ok = bool(self._finite_fn()) and all(
+            bool(tf.reduce_all(tf.math.is_finite(v))) for prog in self.programs.values()
+            for parts in prog.sparse_parts.values() for v, _ in parts)
+        losses = self._executor.result.losses if self._executor is not None else {}
+        bad_mb = sorted(i for i, loss in losses.items() if not np.isfinite(float(loss)))
+        first = {s: p.nonfinite_microbatch for s, p in self.programs.items()
+                 if p.nonfinite_microbatch is not None}
+        report = self.comm.world.allgather_obj((ok, first, bad_mb))
+        if all(r[0] for r in report) and not any(r[2] for r in report):
+            return True
+        if self._loss_scaled or self.config.nonfinite == "skip":
+            return False
+        grads = {s: i for r in report for s, i in r[1].items()}
+        mbs = sorted({i for r in report for i in r[2]})
+        where = ", ".join(f"stage {s} from microbatch {i}" for s, i in sorted(grads.items()))
+        raise StepError(
+            f"{self.rank_tag} Non-finite values at step {self.steps}: loss of microbatch(es) "
+            f"{mbs or 'none'} on the last stage; gradients of {where or 'no stage'}. "
+            f"Lower the learning rate, check the data, or set nonfinite='skip' to skip such "
+            f"updates on every rank.")
+
     def _apply(self) -> None:
+        if not self._all_finite():
+            self.skipped_steps += 1
+            for prog in self.programs.values():
+                prog.reset_accumulators()
+            if self._loss_scaled:
+                self.optimizer._stateful_handle_non_finite_grads()
+            return
         if not self.variables:
             return
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
@@ -171,8 +245,10 @@ class Engine:
             prog.sparse_parts.clear()
             offset += len(prog.trainable)
         if self._apply_fn is None:
-            self.optimizer.build(self.variables)
             variables, accs = self.variables, self.accumulators
+            optimizer = self.optimizer
+            apply_grads = (optimizer._stateful_handle_finite_grads if self._loss_scaled
+                           else optimizer.apply)
 
             def apply(sparse: dict[str, tuple[tf.Tensor, tf.Tensor]]) -> None:
                 grads: list[Any] = []
@@ -182,7 +258,7 @@ class Engine:
                         grads.append(tf.IndexedSlices(values, indices, tf.shape(a, tf.int64)))
                     else:
                         grads.append(a.value())
-                self.optimizer.apply(grads, variables)
+                apply_grads(grads, variables)
                 for a in accs:
                     a.assign(tf.zeros_like(a))
 

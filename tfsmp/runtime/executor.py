@@ -53,6 +53,13 @@ class StepResult:
     max_held: int = 0  # peak microbatches whose activations a rank held
 
 
+def _wire(buf: np.ndarray) -> np.ndarray:
+    """A view MPI can move: ml_dtypes types (bfloat16) travel as unsigned ints of equal size."""
+    if buf.dtype.kind in "biufc":
+        return buf
+    return buf.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[buf.dtype.itemsize])
+
+
 @dataclass
 class _Pending:
     boundaries: list[Boundary]
@@ -181,7 +188,7 @@ class Executor:
             size = self.mbs[a.microbatch].size
             buffers = [self._buffer(b, size) for b in bs]
             src = self._rank(a.peer)
-            reqs = [self.group.irecv(buf, src, self._tag(b, consumer, a.microbatch, backward))
+            reqs = [self.group.irecv(_wire(buf), src, self._tag(b, consumer, a.microbatch, backward))
                     for b, buf in zip(bs, buffers)]
             self.posted[(op, a.stage, a.peer, a.microbatch)] = _Pending(bs, buffers, reqs)
 
@@ -191,7 +198,7 @@ class Executor:
             self.mailbox[(kind, peer, stage, mb)] = tensors
             return
         for b, t in zip(bs, tensors):
-            buf = np.ascontiguousarray(t.numpy())
+            buf = _wire(np.ascontiguousarray(t.numpy()))
             req = self.group.isend(buf, self._rank(peer), self._tag(b, consumer, mb, kind == "RECV_B"))
             self.sends.append((req, buf))
 

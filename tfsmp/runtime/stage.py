@@ -83,12 +83,15 @@ class StageProgram:
         self._loss = loss
         self._stash: dict[int, _Stash] = {}
         self.scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name=f"scale_{stage}")
+        self.loss_scaler: Callable[[tf.Tensor], tf.Tensor] | None = None  # mixed_float16
         compile_fn = (lambda f: tf.function(f, jit_compile=True)) if jit_compile else tf.function
         self._fwd = compile_fn(self._forward_fn)
         self._bwd_recompute = compile_fn(self._backward_recompute_fn)
         self._fused = compile_fn(self._fused_fn)
         self._eval = compile_fn(self._eval_fn)
         self._accumulate = tf.function(self._accumulate_fn)
+        self._finite = tf.function(self._finite_fn)
+        self.nonfinite_microbatch: int | None = None  # first microbatch with non-finite grads
 
     # -- the graph interpreter -----------------------------------------------------------------
 
@@ -151,6 +154,8 @@ class StageProgram:
             _, outputs = self._run(inputs, recv, True)
             loss = self._loss(y, self.traced.pack_outputs(outputs), sample_weight)  # type: ignore[misc]
             scaled = tf.cast(loss, tf.float32) * self.scale
+            if self.loss_scaler is not None:
+                scaled = self.loss_scaler(scaled)
         grads = tape.gradient(scaled, self._sources(recv),
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return loss, outputs, self._split_grads(grads, recv)
@@ -158,6 +163,15 @@ class StageProgram:
     def _eval_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor]
                  ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
         return self._run(inputs, recv, False)
+
+    def _finite_fn(self) -> tf.Tensor:
+        flags = [tf.reduce_all(tf.math.is_finite(a)) for a in self.accumulators]
+        return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+    def _note_finite(self, i: int) -> None:
+        """Remembers the first microbatch after which accumulated gradients are not finite."""
+        if self.nonfinite_microbatch is None and not bool(self._finite()):
+            self.nonfinite_microbatch = i
 
     def _accumulate_fn(self, grads: list[tf.Tensor]) -> None:
         for acc, g in zip(self.accumulators, grads):
@@ -202,12 +216,14 @@ class StageProgram:
                     dense.append(g)
             if n:
                 self._accumulate(dense)
+            self._note_finite(i)
             out = [tf.zeros_like(r) for r in st.recv]
             for j, k in enumerate(self._diff_recv):
                 out[k] = tf.convert_to_tensor(grads[n + j])
             return out
         recv_grads, sparse = self._bwd_recompute(st.inputs, st.recv, dys, st.state or [])
         self._keep_sparse(sparse)
+        self._note_finite(i)
         return list(recv_grads)
 
     def forward_backward_last(self, i: int, inputs: list[tf.Tensor], recv: list[tf.Tensor],
@@ -215,6 +231,7 @@ class StageProgram:
         """Last stage: forward, loss and backward in one call. Returns (loss, model outputs)."""
         loss, outputs, (recv_grads, sparse) = self._fused(inputs, recv, y, sample_weight)
         self._keep_sparse(sparse)
+        self._note_finite(i)
         self._stash[i] = _Stash(inputs, recv, recv_grads=list(recv_grads))
         return loss, list(outputs)
 
@@ -228,6 +245,7 @@ class StageProgram:
         for acc in self.accumulators:
             acc.assign(tf.zeros_like(acc))
         self.sparse_parts.clear()
+        self.nonfinite_microbatch = None
 
     def sparse_gradients(self) -> dict[int, tuple[tf.Tensor, tf.Tensor]]:
         """``{variable index: (values, indices)}`` of this step, rows in batch order."""

@@ -3,7 +3,8 @@
 Usage (under mpirun): python -m mpi4py runtime_cases.py CASE [CASE ...]
 A CASE is ``model:partitions:microbatches:pipeline:optimize[:flag,flag]``, e.g.
 ``mlp:2:4:interleaved:speed`` or ``embed:2:4:simple:memory:adam,horovod``. Flags: ``horovod``
-(reduce over Horovod), ``adam`` (Adam instead of SGD with momentum).
+(reduce over Horovod), ``adam`` (Adam instead of SGD with momentum), ``v2`` (two virtual
+stages per rank).
 Every rank prints one JSON line per case: {"case", "rank", "ok", "losses", "ref_losses",
 "max_weight_err", "held_bytes", "plan_bytes", "error"}.
 
@@ -139,10 +140,11 @@ def run_case(spec: str) -> dict[str, object]:
     name, p, m, pipeline, optimize = parts[0], int(parts[1]), int(parts[2]), parts[3], parts[4]
     flags = set(parts[5].split(",")) if len(parts) > 5 else set()
     horovod, adam = "horovod" in flags, "adam" in flags
+    virtual = 2 if "v2" in flags else 1
     if tfsmp.is_initialized():
         tfsmp.shutdown()
     tfsmp.init({"partitions": p, "microbatches": m, "pipeline": pipeline, "optimize": optimize,
-                "horovod": horovod})
+                "horovod": horovod, "virtual_stages": virtual})
     x, y = data(name, STEPS * BATCH)
     ref = build(name)
     init = ref.get_weights()

@@ -1,0 +1,190 @@
+"""DistributedModel's Keras API on several ranks: fit/callbacks/evaluate/predict/weights/errors.
+
+Cases run through `tests/mpi/cases_runner.py`; each returns JSON the test asserts on (the same on
+every rank where that is the point). Every case re-initializes tfsmp with its own config.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfsmp  # noqa: E402
+from tfsmp.errors import StepError  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _init(**config: object) -> None:
+    if tfsmp.is_initialized():
+        tfsmp.shutdown()
+    base: dict[str, object] = {"partitions": 2, "microbatches": 2}
+    base.update(config)
+    tfsmp.init(base)
+
+
+def _model(seed: int = 3) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((10,), name="x")
+    h = keras.layers.Dense(16, activation="relu", name="h1")(x)
+    h = keras.layers.Dense(16, activation="relu", name="h2")(h)
+    h = keras.layers.Dense(16, activation="relu", name="h3")(h)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h), name="clf")
+
+
+def _data(n: int = 64, seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 10)).astype(np.float32)
+    return x, (x[:, :3].sum(axis=1) > 0).astype(np.int64) + (x[:, 3] > 1)
+
+
+def _pair(metrics: list[str] | None = None) -> tuple[keras.Model, tfsmp.DistributedModel]:
+    ref = _model()
+    init = ref.get_weights()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=metrics)
+    inner = _model()
+    inner.set_weights(init)
+    dm = tfsmp.DistributedModel(inner)
+    dm.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, metrics=metrics)
+    return ref, dm
+
+
+def _close(a: object, b: object) -> bool:
+    return bool(np.allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64),
+                            rtol=RTOL, atol=ATOL))
+
+
+def case_fit_history_matches_keras(ctx: object) -> dict[str, object]:
+    _init()
+    x, y = _data()
+    xv, yv = _data(32, seed=9)
+    ref, dm = _pair(["accuracy"])
+    h_ref = ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, validation_data=(xv, yv), verbose=0)
+    h = dm.fit(x, y, batch_size=16, epochs=2, shuffle=False, validation_data=(xv, yv), verbose=0)
+    same = {k: _close(h.history[k], h_ref.history[k]) for k in h_ref.history}
+    return {"keys": sorted(h.history), "ref_keys": sorted(h_ref.history), "same": same,
+            "loss": h.history["loss"]}
+
+
+def case_callbacks_act_on_every_rank(ctx: object) -> dict[str, object]:
+    _init(microbatches=4)
+    x, y = _data()
+    _, dm = _pair()
+    batches: list[int] = []
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 / (epoch + 1))
+    early = keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=1)
+    count = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b))
+    h = dm.fit(x, y, batch_size=16, epochs=10, callbacks=[schedule, early, count], verbose=0)
+    return {"epochs_run": len(h.history["loss"]), "batches": len(batches),
+            "lr": float(np.asarray(dm.optimizer.learning_rate)), "stopped": early.stopped_epoch}
+
+
+def case_evaluate_and_predict_match_keras(ctx: object) -> dict[str, object]:
+    _init(microbatches=4)
+    x, y = _data(48)
+    ref, dm = _pair(["accuracy"])
+    ref_eval = ref.evaluate(x, y, batch_size=16, verbose=0)
+    dm_eval = dm.evaluate(x, y, batch_size=16, verbose=0)
+    ref_pred = ref.predict(x, batch_size=16, verbose=0)
+    pred = dm.predict(x, batch_size=16)
+    direct = dm(x[:8]).numpy()
+    return {"eval_same": _close(dm_eval, ref_eval), "pred_same": _close(pred, ref_pred),
+            "call_same": _close(direct, ref_pred[:8]), "pred_sum": float(np.sum(pred))}
+
+
+def case_weights_roundtrip(ctx: object) -> dict[str, object]:
+    _init()
+    x, y = _data()
+    ref, dm = _pair()
+    dm.train_on_batch(x[:16], y[:16])
+    ref.train_on_batch(x[:16], y[:16])
+    same = all(_close(a, b) for a, b in zip(dm.get_weights(), ref.get_weights()))
+    zeros = [np.zeros_like(w) for w in ref.get_weights()]
+    dm.set_weights(zeros)
+    all_zero = all(float(np.abs(w).sum()) == 0.0 for w in dm.get_weights())
+    lines: list[str] = []
+    dm.summary(print_fn=lines.append)
+    return {"same": same, "all_zero": all_zero, "summary_has_stage": "stage" in lines[1],
+            "held": dm.held_variable_bytes()}
+
+
+def case_dataset_and_generator_inputs(ctx: object) -> dict[str, object]:
+    _init()
+    x, y = _data()
+    ref, dm = _pair()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+    h = dm.fit(ds, epochs=1, verbose=0)
+    h_ref = ref.fit(ds, epochs=1, verbose=0)
+
+    def gen():  # type: ignore[no-untyped-def]
+        while True:
+            for i in range(0, 64, 16):
+                yield x[i:i + 16], y[i:i + 16]
+
+    h2 = dm.fit(gen(), steps_per_epoch=4, epochs=1, verbose=0)
+    h2_ref = ref.fit(gen(), steps_per_epoch=4, epochs=1, verbose=0)
+    return {"dataset_same": _close(h.history["loss"], h_ref.history["loss"]),
+            "generator_same": _close(h2.history["loss"], h2_ref.history["loss"])}
+
+
+def _error_of(fn: object) -> str:
+    try:
+        fn()  # type: ignore[operator]
+    except (StepError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def case_bad_batches_fail_on_every_rank(ctx: object) -> dict[str, str]:
+    _init(microbatches=4)
+    x, y = _data()
+    _, dm = _pair()
+    dm.train_on_batch(x[:16], y[:16])
+    return {
+        "not_divisible": _error_of(lambda: dm.train_on_batch(x[:10], y[:10])),
+        "other_shape": _error_of(lambda: dm.train_on_batch(np.zeros((16, 12), np.float32), y[:16])),
+        "no_targets": _error_of(lambda: dm.train_on_batch(x[:16])),
+        "fit_last_batch": _error_of(lambda: dm.fit(x[:58], y[:58], batch_size=16, verbose=0)),
+    }
+
+
+def case_nonfinite_raise_and_skip(ctx: object) -> dict[str, object]:
+    _init(microbatches=2, nonfinite="raise")
+    x, y = _data()
+    _, dm = _pair()
+    bad = x[:16].copy()
+    bad[9, 0] = np.nan  # microbatch 1 of 2
+    raised = _error_of(lambda: dm.train_on_batch(bad, y[:16]))
+    _init(microbatches=2, nonfinite="skip")
+    _, dm2 = _pair()
+    before = dm2.get_weights()
+    dm2.train_on_batch(bad, y[:16])
+    unchanged = all(np.array_equal(a, b) for a, b in zip(before, dm2.get_weights()))
+    dm2.train_on_batch(x[:16], y[:16])
+    changed = not all(np.array_equal(a, b) for a, b in zip(before, dm2.get_weights()))
+    return {"raised": raised, "skip_unchanged": unchanged, "then_trains": changed,
+            "skipped": dm2._engine.skipped_steps}
+
+
+def case_mixed_precision(ctx: object) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            _init(microbatches=1)
+            x, y = _data()
+            ref, dm = _pair()
+            ref_losses = [float(ref.train_on_batch(x[i:i + 16], y[i:i + 16])) for i in (0, 16, 32)]
+            losses = [float(dm.train_on_batch(x[i:i + 16], y[i:i + 16])) for i in (0, 16, 32)]
+            boundary = dm._engine.plan.boundaries[0].dtype
+            out[policy] = {"close": bool(np.allclose(losses, ref_losses, rtol=2e-2)),
+                           "boundary_dtype": boundary, "losses": losses, "ref": ref_losses}
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+    return out

@@ -1,0 +1,107 @@
+"""DistributedModel behaves like a Keras model on 2 ranks (2 stages): one launch, many cases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.mpihelp import run_cases, run_mpi
+
+pytestmark = pytest.mark.mpi
+SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).resolve().parents[2]
+CASES = [
+    "case_fit_history_matches_keras", "case_callbacks_act_on_every_rank",
+    "case_evaluate_and_predict_match_keras", "case_weights_roundtrip",
+    "case_dataset_and_generator_inputs", "case_bad_batches_fail_on_every_rank",
+    "case_nonfinite_raise_and_skip", "case_mixed_precision",
+]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return run_cases(2, SCRIPTS / "keras_api_cases.py", CASES, timeout=420)
+
+
+def _ok(results: dict, case: str) -> list[dict]:
+    per_rank = [results[case][r] for r in (0, 1)]
+    for r in per_rank:
+        assert r["ok"], r["error"]
+    return [r["result"] for r in per_rank]
+
+
+def test_fit_history_equals_plain_keras(results: dict) -> None:
+    for r in _ok(results, "case_fit_history_matches_keras"):
+        assert r["keys"] == r["ref_keys"] == ["accuracy", "loss", "val_accuracy", "val_loss"]
+        assert all(r["same"].values()), r["same"]
+    a, b = _ok(results, "case_fit_history_matches_keras")
+    assert a["loss"] == b["loss"]  # every rank has the same logs
+
+
+def test_callbacks_run_alike_on_every_rank(results: dict) -> None:
+    a, b = _ok(results, "case_callbacks_act_on_every_rank")
+    assert a == b
+    assert a["epochs_run"] == 2 and a["batches"] == 8  # EarlyStopping after patience 1
+    assert a["lr"] == pytest.approx(0.025)              # LearningRateScheduler on every rank
+
+
+def test_evaluate_predict_and_call_equal_plain_keras(results: dict) -> None:
+    a, b = _ok(results, "case_evaluate_and_predict_match_keras")
+    assert a["eval_same"] and a["pred_same"] and a["call_same"]
+    assert a["pred_sum"] == b["pred_sum"]  # outputs are returned on every rank
+
+
+def test_weights_gather_set_and_summary(results: dict) -> None:
+    a, b = _ok(results, "case_weights_roundtrip")
+    assert a["same"] and b["same"] and a["all_zero"] and b["all_zero"]
+    assert a["summary_has_stage"]
+    assert a["held"] != b["held"]  # each rank holds only its own stage
+
+
+def test_dataset_and_generator_inputs_equal_plain_keras(results: dict) -> None:
+    for r in _ok(results, "case_dataset_and_generator_inputs"):
+        assert r["dataset_same"] and r["generator_same"]
+
+
+def test_bad_batches_give_the_same_clear_error_on_every_rank(results: dict) -> None:
+    a, b = _ok(results, "case_bad_batches_fail_on_every_rank")
+    for r in (a, b):
+        assert "batch size must be divisible by microbatches" in r["not_divisible"] or \
+            "divisible by data-parallel replicas × microbatches" in r["not_divisible"]
+        assert "Received: batch_size=10" in r["not_divisible"]
+        assert "per-sample shape the model was traced with" in r["other_shape"]
+        assert "Received: input 'x' with shape (12,), expected (10,)" in r["other_shape"]
+        assert "The loss needs targets. Received: y=None" in r["no_targets"]
+        assert "last batch of an epoch" in r["fit_last_batch"]
+        assert "steps_per_epoch=3" in r["fit_last_batch"]
+    strip = [{k: v.split("] ", 1)[-1] for k, v in r.items()} for r in (a, b)]
+    assert strip[0] == strip[1]
+
+
+def test_nonfinite_loss_raises_naming_microbatch_or_skips_everywhere(results: dict) -> None:
+    for r in _ok(results, "case_nonfinite_raise_and_skip"):
+        # ReLU maps the NaN input to 0, so the loss stays finite; stage 0's gradients do not
+        assert "Non-finite values at step 1: loss of microbatch(es) none" in r["raised"]
+        assert "gradients of stage 0 from microbatch 1" in r["raised"]
+        assert "nonfinite='skip'" in r["raised"]
+        assert r["skip_unchanged"] and r["then_trains"] and r["skipped"] == 1
+
+
+def test_mixed_precision_policies_train_like_keras(results: dict) -> None:
+    for r in _ok(results, "case_mixed_precision"):
+        assert r["mixed_bfloat16"]["boundary_dtype"] == "bfloat16"
+        assert r["mixed_float16"]["boundary_dtype"] == "float16"
+        assert r["mixed_bfloat16"]["close"], r["mixed_bfloat16"]
+        assert r["mixed_float16"]["close"], r["mixed_float16"]
+
+
+@pytest.mark.timeout(300)
+def test_readme_main_job_trains_the_example_on_two_ranks() -> None:
+    res = run_mpi(2, [str(ROOT / "examples" / "train_pipeline.py"), "--epochs", "2"],
+                  launcher="tfsmp", timeout=240)
+    assert res.returncode == 0, res.describe()
+    assert "validation loss" in res.stdout and "Epoch 2/2" in res.stdout
+    accuracy = float(res.stdout.rsplit("accuracy", 1)[1].split()[0])
+    assert accuracy > 0.5, res.stdout[-2000:]
+    assert "Epoch 1/2" not in res.ranks.get(1, "")  # progress is printed by rank 0 only
