@@ -16,10 +16,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import tfsmp as smp  # noqa: E402
+import tfsmp as smp
 
 
 def make_digits(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

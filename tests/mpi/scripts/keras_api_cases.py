@@ -10,12 +10,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import tfsmp  # noqa: E402
-from tfsmp.errors import StepError  # noqa: E402
+import tfsmp
+from tfsmp.errors import StepError
 
 RTOL, ATOL = 1e-5, 1e-6
 
