@@ -18,6 +18,7 @@ pipeline's messages (see [Note: separate communicators] in `tfsmp.comm.base`).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.util
 import os
@@ -146,6 +147,7 @@ def init(config: Mapping[str, Any] | str | Config | None = None) -> Config:
     state = State(cfg, topology, comm, rank=comm.world.ranks[comm.world.rank])
     failure.install(state.tag)
     _pin_gpu(comm.local_rank)
+    _ensure_inter_op_threads()
     if cfg.horovod:
         from tfsmp.comm.horovod import init_horovod
 
@@ -199,6 +201,22 @@ def _pin_gpu(local_rank: int) -> None:
     except RuntimeError as e:  # TF already created its GPU devices
         warnings.warn(f"tfsmp could not pin GPU {index} for local rank {local_rank}: {e}. "
                       "Call tfsmp.init() before running any TensorFlow op.", stacklevel=3)
+
+
+def _ensure_inter_op_threads() -> None:
+    """At least two TF inter-op threads: an `smp.step` called inside a tf.function runs the
+    pipeline in a tf.py_function, and the stage functions it calls need a second thread."""
+    if "tensorflow" not in sys.modules:
+        os.environ["TF_NUM_INTEROP_THREADS"] = str(max(2, int(os.environ.get("TF_NUM_INTEROP_THREADS") or 2)))
+        return
+    import tensorflow as tf
+
+    current = tf.config.threading.get_inter_op_parallelism_threads()
+    env = int(os.environ.get("TF_NUM_INTEROP_THREADS") or 0)
+    if current == 1 or (current == 0 and env == 1):
+        # if the runtime already started, smp.step reports it where it matters
+        with contextlib.suppress(RuntimeError):
+            tf.config.threading.set_inter_op_parallelism_threads(2)
 
 
 def is_initialized() -> bool:

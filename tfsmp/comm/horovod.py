@@ -119,4 +119,27 @@ def init_horovod(data: Group) -> HorovodReducer:
         raise CommError("Horovod's world must be the data-parallel group. Received: "
                         f"hvd.rank()={hvd.rank()}, hvd.size()={hvd.size()}, dp_rank={data.rank}, "
                         f"dp_size={data.size}. Fix: do not call hvd.init() before tfsmp.init().")
+    _keras3_broadcast_compat(hvd)
     return HorovodReducer(hvd, hvd_comm)
+
+
+def _keras3_broadcast_compat(hvd: Any) -> None:
+    """[Note: Keras 3 variables in Horovod] SMP's hybrid scripts call
+    ``hvd.broadcast_variables(model.variables, 0)``. Horovod 0.28.1 traces that into a
+    tf.function, where a Keras 3 variable becomes a tensor without ``assign``; its underlying
+    ``tf.Variable`` (``v.value``) works. Wrap the function once so the SMP pattern runs as
+    written (horovod.md §1.4)."""
+    import horovod.tensorflow.functions as functions
+
+    original = functions.broadcast_variables
+    if getattr(original, "_tfsmp_compat", False):
+        return
+
+    def broadcast_variables(variables: Any, root_rank: int, *args: Any, **kwargs: Any) -> Any:
+        plain = [getattr(v, "value", v) if not hasattr(v, "assign") or
+                 type(v).__module__.startswith("keras") else v for v in variables]
+        return original(plain, root_rank, *args, **kwargs)
+
+    broadcast_variables._tfsmp_compat = True  # type: ignore[attr-defined]
+    functions.broadcast_variables = broadcast_variables
+    hvd.broadcast_variables = broadcast_variables

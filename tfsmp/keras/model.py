@@ -24,6 +24,7 @@ model releases the variables other ranks own.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -79,6 +80,81 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._loss_reduction = "sum_over_batch_size"
         self._train_counter = 0
         self._loss_sum, self._loss_count = 0.0, 0
+        self._profile_batch: Any = None
+        DistributedModel._live.append(weakref.ref(self))
+
+    _live: list[weakref.ref[Any]] = []
+
+    @classmethod
+    def _instances(cls) -> list[DistributedModel]:
+        models = [r() for r in cls._live]
+        cls._live = [r for r, m in zip(cls._live, models) if m is not None]
+        return [m for m in models if m is not None]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from tfsmp.keras.step import active_context
+
+        ctx = active_context()
+        if ctx is not None and (ctx.model is None or ctx.model is self):
+            ctx.model = self  # a step binds to the DistributedModel its body calls
+            return self._step_call(ctx, args, kwargs)
+        symbolic = any(isinstance(t, keras.KerasTensor) for t in tf.nest.flatten((args, kwargs)))
+        if symbolic or self._wrapped is not None:
+            return super().__call__(*args, **kwargs)
+        raise StepError(
+            "A DistributedModel subclass may be called only inside an smp.step function (its "
+            "layers run on different ranks). Received: a call outside any step. Put the forward "
+            "and backward pass in a function decorated with @smp.step.")
+
+    def _step_call(self, ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from tfsmp.keras.step import _Captured
+
+        if ctx.mode == "capture":
+            raise _Captured(args, kwargs)
+        ctx.calls += 1
+        if ctx.calls > 1:
+            raise StepError(
+                "A step may call the DistributedModel once per microbatch. Received: a second "
+                "call. Reuse its output, or put the whole computation in the model's call().")
+        if ctx.mode == "run":
+            return ctx.run_call(*args, **kwargs)
+        x = args[0] if args else next(iter(kwargs.values()))  # "dry": shapes only
+        with tf.init_scope():
+            engine = self._ensure_engine(tf.nest.map_structure(
+                lambda t: keras.KerasTensor(tuple(t.shape), dtype=t.dtype.name), x))
+        rows = tf.shape(tf.nest.flatten(x)[0])[0]
+        outs = []
+        for key in engine.traced.output_keys:
+            info = engine.traced.graph.tensors[key]
+            shape = tf.concat([[rows], tf.constant([d or 1 for d in info.shape], tf.int32)], 0)
+            outs.append(tf.zeros(shape, dtype=info.dtype))
+        return engine.traced.pack_outputs(outs)
+
+    # -- the rank's own variables after partitioning -------------------------------------------
+
+    @property
+    def trainable_variables(self) -> list[Any]:
+        """Before partitioning: all of them. After: this rank's stages' (its optimizer's)."""
+        if self._engine is None:
+            return list(super().trainable_variables)
+        return list(self._engine.variables)
+
+    @property
+    def trainable_weights(self) -> list[Any]:
+        return self.trainable_variables
+
+    @property
+    def variables(self) -> list[Any]:
+        """Before partitioning: all of them. After: this rank's stages' variables."""
+        if self._engine is None:
+            return list(super().variables)
+        all_vars = self._all_variables()
+        return [all_vars[i] for i in sorted(self._owned())]
+
+    def profile(self, x: Any) -> None:
+        """SMP's `profile`: measure per-layer times on this batch; the plan then balances
+        measured time instead of FLOP estimates. Call before the first step."""
+        self._profile_batch = x
 
     # -- Keras plumbing -----------------------------------------------------------------------
 
@@ -130,11 +206,13 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         from tfsmp.runtime.setup import build_engine
 
         self._state = self._runtime_state()
+        if getattr(self, "optimizer", None) is None:
+            self.optimizer = None  # SMP scripts apply gradients with their own optimizer
         self._engine = build_engine(
             self._source_model(), sample_x, self._state,
             loss=self._loss_callable(), optimizer=getattr(self, "optimizer", None),
             loss_reduction=self._loss_reduction, rank_tag=self._rank_tag(),
-            subclassed=self._wrapped is None)
+            subclassed=self._wrapped is None, profile_batch=self._profile_batch)
         import importlib.util
 
         if importlib.util.find_spec("tfsmp.checkpoint.export") is not None:
@@ -364,7 +442,9 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     # -- weights -------------------------------------------------------------------------------
 
     def _all_variables(self) -> list[Any]:
-        return list(self._source_model().weights)
+        if self._wrapped is not None:
+            return list(self._wrapped.weights)
+        return list(keras.Model.weights.fget(self))
 
     def _owned(self) -> set[int]:
         engine = self._engine

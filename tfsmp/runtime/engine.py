@@ -151,6 +151,51 @@ class Engine:
         self.steps += 1
         return ex.run(mbs, train=True, reduce=self._reduce, step=self._apply)
 
+    def run_step(self, inputs: list[dict[str, Any]], head: Callable[..., Any], train: bool = True
+                 ) -> StepResult:
+        """One `smp.step` call: ``inputs[i]`` are microbatch i's model inputs (by tensor key).
+        The last stage runs ``head``; other stages keep per-microbatch weight gradients in
+        ``program.collected`` (no reduction, no optimizer step: the script applies them)."""
+        mbs = []
+        for packed in inputs:
+            tensors = {k: tf.convert_to_tensor(v) for k, v in packed.items()}
+            self.check_inputs_packed(tensors)
+            size = int(next(iter(tensors.values())).shape[0]) if tensors else 0
+            mbs.append(MicroBatch(tensors, size=size))
+        for prog in self.programs.values():
+            prog.collect = True
+            prog.scale.assign(1.0)
+            prog.collected.clear()
+        m = len(mbs)
+        if train:
+            actions = self._train_actions
+        else:
+            if m not in self._eval_actions:
+                self._eval_actions[m] = forward_only_schedule(self.plan, self.num_ranks,
+                                                              self.pipe_rank, m)
+            actions = self._eval_actions[m]
+        ex = Executor(actions, self.programs, self.plan, self.comm.pipeline,
+                      self.num_ranks, m, stall_timeout=self.config.stall_timeout,
+                      tracer=self._tracer, rank_tag=self.rank_tag)
+        self._executor = ex
+        self.steps += 1
+        try:
+            return ex.run(mbs, train=train, head=head)
+        finally:
+            for prog in self.programs.values():
+                prog.collect = False
+
+    def check_inputs_packed(self, packed: dict[str, Any]) -> None:
+        """`check_inputs` for inputs already keyed by tensor key."""
+        for key, value in packed.items():
+            want = self.traced.graph.tensors[key].shape
+            got = tuple(np.shape(value))[1:]
+            if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
+                raise StepError(
+                    f"{self.rank_tag} Every batch must have the per-sample shape the model was "
+                    f"traced with. Received: input '{key.split(':')[0]}' with shape {got}, "
+                    f"expected {tuple(want)}.")
+
     def forward(self, x: Any, num_microbatches: int | None = None) -> StepResult:
         """Pipelined inference; outputs land on the last stage's rank."""
         m = num_microbatches or self.m

@@ -151,7 +151,12 @@ class Executor:
 
     def run(self, microbatches: list[MicroBatch], *, train: bool,
             reduce: Callable[[int], None] | None = None,
-            step: Callable[[], None] | None = None) -> StepResult:
+            step: Callable[[], None] | None = None,
+            head: Callable[..., Any] | None = None) -> StepResult:
+        """Runs the actions once. ``head(i, program, inputs, recv, microbatch)``, if given,
+        replaces the last stage's fused loss (it must call `program.finish_head`) and its return
+        value is kept in ``result.outputs[i]``."""
+        self.head = head
         self.mbs = microbatches
         self.train = train
         self.reduce_fn = reduce
@@ -225,11 +230,14 @@ class Executor:
         inputs = [mb.inputs[k] for k in prog.input_keys]
         got = self.received.pop((a.stage, a.microbatch), {})
         recv = [got[b.index] for b in prog.recv]
-        if prog.is_last and self.train:
+        if prog.is_last and self.head is not None:
+            self.result.outputs[a.microbatch] = self.head(a.microbatch, prog, inputs, recv, mb)
+            sends: list[tf.Tensor] = []
+        elif prog.is_last and self.train:
             loss, outputs = prog.forward_backward_last(a.microbatch, inputs, recv, mb.y, mb.sample_weight)
             self.result.losses[a.microbatch] = loss
             self.result.outputs[a.microbatch] = outputs
-            sends: list[tf.Tensor] = []
+            sends = []
         elif self.train:
             sends = prog.forward(a.microbatch, inputs, recv)
             self.result.max_held = max(self.result.max_held, prog.held_microbatches())

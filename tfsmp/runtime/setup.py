@@ -58,14 +58,21 @@ def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int]) -> None:
 
 def build_engine(model: Any, sample_x: Any, state: Any, *, loss: Any, optimizer: Any,
                  loss_reduction: str, rank_tag: str, subclassed: bool,
-                 manual: dict[str, int] | None = None) -> Engine:
+                 profile_batch: Any = None) -> Engine:
     from tfsmp.graph.tracer import trace
+    from tfsmp.keras.manual import assignment, recording
 
     config = state.config
-    traced = trace(model, sample_input=sample_x)
+    with recording() as placed:
+        traced = trace(model, sample_input=sample_x)
+    manual = assignment(traced, placed) if not config.auto_partition else None
     world = state.comm.world
     text = None
     if world.rank == 0:
+        if profile_batch is not None:
+            from tfsmp.graph.costs import profile
+
+            profile(traced, profile_batch)
         text = make_plan(traced, config, optimizer, manual).to_json()
     plan = StagePlan.from_json(world.bcast_obj(text, root=0))
     stages = [s for s in range(plan.num_stages) if s % config.partitions == state.comm.pipeline.rank]

@@ -92,6 +92,10 @@ class StageProgram:
         self._accumulate = tf.function(self._accumulate_fn)
         self._finite = tf.function(self._finite_fn)
         self.nonfinite_microbatch: int | None = None  # first microbatch with non-finite grads
+        # [Note: collect mode] `@smp.step` returns every microbatch's gradients (StepOutput),
+        # so with `collect` set the weight gradients are kept per microbatch, not summed.
+        self.collect = False
+        self.collected: dict[int, list[tf.Tensor]] = {}
 
     # -- the graph interpreter -----------------------------------------------------------------
 
@@ -106,12 +110,18 @@ class StageProgram:
     def _sources(self, recv: list[tf.Tensor]) -> list[Any]:
         return [v.value for v in self.trainable] + [recv[i] for i in self._diff_recv]
 
-    def _split_grads(self, grads: list[Any], recv: list[tf.Tensor]
-                     ) -> tuple[list[tf.Tensor], dict[str, tuple[tf.Tensor, tf.Tensor]]]:
+    def _split_grads(self, grads: list[Any], recv: list[tf.Tensor], collect: bool = False
+                     ) -> tuple[list[tf.Tensor], Any]:
         """Accumulates dense weight gradients; returns gradients for every received boundary and
-        the sparse ones as ``{str(variable index): (values, indices)}``."""
+        the sparse ones as ``{str(variable index): (values, indices)}`` (with ``collect``: the
+        list of all weight gradients of this microbatch instead)."""
         n = len(self.trainable)
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
+        if collect:
+            out = [tf.zeros_like(r) for r in recv]
+            for j, i in enumerate(self._diff_recv):
+                out[i] = tf.convert_to_tensor(grads[n + j])
+            return out, [tf.convert_to_tensor(g) for g in grads[:n]]
         for i, (acc, g) in enumerate(zip(self.accumulators, grads[:n])):
             if isinstance(g, tf.IndexedSlices):
                 sparse[str(i)] = (tf.cast(g.values, acc.dtype), g.indices)
@@ -133,7 +143,7 @@ class StageProgram:
         return self._run(inputs, recv, training)[0]
 
     def _backward_recompute_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor],
-                               dys: list[tf.Tensor], state: list[tf.Tensor]) -> Any:
+                               dys: list[tf.Tensor], state: list[tf.Tensor], collect: bool) -> Any:
         current = [tf.identity(v.value) for v in self.non_trainable]
         for v, s in zip(self.non_trainable, state):
             v.assign(s)
@@ -145,7 +155,7 @@ class StageProgram:
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         for v, c in zip(self.non_trainable, current):
             v.assign(c)
-        return self._split_grads(grads, recv)
+        return self._split_grads(grads, recv, collect)
 
     def _fused_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], y: Any, sample_weight: Any
                   ) -> tuple[tf.Tensor, list[tf.Tensor], Any]:
@@ -160,9 +170,9 @@ class StageProgram:
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return loss, outputs, self._split_grads(grads, recv)
 
-    def _eval_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor]
+    def _eval_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool = False
                  ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
-        return self._run(inputs, recv, False)
+        return self._run(inputs, recv, training)
 
     def _finite_fn(self) -> tf.Tensor:
         flags = [tf.reduce_all(tf.math.is_finite(a)) for a in self.accumulators]
@@ -206,6 +216,12 @@ class StageProgram:
                                      output_gradients=[dys[j] for j in self._diff_send],
                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
             n = len(self.trainable)
+            if self.collect:
+                self.collected[i] = [tf.convert_to_tensor(g) for g in grads[:n]]
+                out = [tf.zeros_like(r) for r in st.recv]
+                for j, k in enumerate(self._diff_recv):
+                    out[k] = tf.convert_to_tensor(grads[n + j])
+                return out
             dense: list[Any] = []
             for k, g in enumerate(grads[:n]):
                 if isinstance(g, tf.IndexedSlices):
@@ -221,8 +237,12 @@ class StageProgram:
             for j, k in enumerate(self._diff_recv):
                 out[k] = tf.convert_to_tensor(grads[n + j])
             return out
-        recv_grads, sparse = self._bwd_recompute(st.inputs, st.recv, dys, st.state or [])
-        self._keep_sparse(sparse)
+        recv_grads, extra = self._bwd_recompute(st.inputs, st.recv, dys, st.state or [],
+                                                self.collect)
+        if self.collect:
+            self.collected[i] = list(extra)
+            return list(recv_grads)
+        self._keep_sparse(extra)
         self._note_finite(i)
         return list(recv_grads)
 
@@ -235,17 +255,33 @@ class StageProgram:
         self._stash[i] = _Stash(inputs, recv, recv_grads=list(recv_grads))
         return loss, list(outputs)
 
-    def evaluate(self, inputs: list[tf.Tensor], recv: list[tf.Tensor]
+    def evaluate(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool = False
                  ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
-        """Inference forward: (tensors to send, model outputs on the last stage)."""
-        sends, outputs = self._eval(inputs, recv)
+        """Forward without stashing: (tensors to send, model outputs on the last stage).
+        Under a caller's GradientTape this is differentiable (used by `smp.step`'s last stage)."""
+        sends, outputs = self._eval(inputs, recv, training)
         return list(sends), list(outputs)
+
+    def diff_recv(self, recv: list[tf.Tensor]) -> list[tf.Tensor]:
+        """The received tensors that carry gradients (floating point), in boundary order."""
+        return [recv[i] for i in self._diff_recv]
+
+    def finish_head(self, i: int, inputs: list[tf.Tensor], recv: list[tf.Tensor],
+                    diff_grads: list[tf.Tensor | None]) -> None:
+        """Stores the gradients a custom last-stage head computed for the received tensors."""
+        out = [tf.zeros_like(r) for r in recv]
+        for j, k in enumerate(self._diff_recv):
+            g = diff_grads[j] if j < len(diff_grads) else None
+            if g is not None:
+                out[k] = tf.convert_to_tensor(g)
+        self._stash[i] = _Stash(inputs, recv, recv_grads=out)
 
     def reset_accumulators(self) -> None:
         for acc in self.accumulators:
             acc.assign(tf.zeros_like(acc))
         self.sparse_parts.clear()
         self.nonfinite_microbatch = None
+        self.collected.clear()
 
     def sparse_gradients(self) -> dict[int, tuple[tf.Tensor, tf.Tensor]]:
         """``{variable index: (values, indices)}`` of this step, rows in batch order."""

@@ -1,0 +1,543 @@
+"""`@smp.step` and `StepOutput`: SMP's TensorFlow script API on the pipeline runtime.
+
+Example::
+
+    @smp.step
+    def train_step(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            loss = loss_fn(labels, logits)
+        return tape.gradient(loss, model.trainable_variables), loss, logits
+
+    grads, loss, logits = train_step(x, y)          # StepOutputs, one value per microbatch
+    opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+
+[Note: how a step runs] Arguments are split into ``microbatches`` along their batch axes. For
+each microbatch the *last stage* runs the body: inside it, ``model(x)`` returns that stage's
+outputs computed from the tensors received from earlier stages, every user GradientTape watches
+those tensors, and ``tape.gradient`` also differentiates with respect to them; those gradients go
+back through the pipeline. Other ranks run the body only up to the model call (to learn its
+inputs: preprocessing inside a step must therefore be deterministic), then their stage programs,
+keeping every microbatch's weight gradients. The last stage broadcasts what the body returned;
+each rank then puts its own weight gradients where the body returned ``tape.gradient(...,
+model.trainable_variables)``, since ``model.trainable_variables`` is the rank's own stage.
+
+Called inside an outer ``tf.function`` (as SMP's examples do), the step becomes one
+``tf.py_function`` running the pipeline eagerly; a symbolic dry run of the body gives its
+output structure and dtypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfsmp.errors import StepError
+
+__all__ = ["StepOutput", "active_context", "step"]
+
+_local = threading.local()
+
+
+class StepOutput:
+    """One value per microbatch of something a step returned, with SMP's reductions.
+
+    Example::
+
+        loss.reduce_mean()      # mean over microbatches
+        logits.merge()          # concatenated along the batch axis
+    """
+
+    def __init__(self, outputs: list[Any]) -> None:
+        self.outputs = list(outputs)
+
+    def __repr__(self) -> str:
+        return f"StepOutput({len(self.outputs)} microbatches)"
+
+    def reduce_mean(self) -> Any:
+        return tf.add_n([tf.convert_to_tensor(o) for o in self.outputs]) / len(self.outputs)
+
+    def reduce_sum(self) -> Any:
+        return tf.add_n([tf.convert_to_tensor(o) for o in self.outputs])
+
+    def concat(self, axis: int = 0) -> Any:
+        return tf.concat([tf.convert_to_tensor(o) for o in self.outputs], axis=axis)
+
+    def stack(self, axis: int = 0) -> Any:
+        return tf.stack([tf.convert_to_tensor(o) for o in self.outputs], axis=axis)
+
+    def merge(self, axis: int = 0) -> Any:
+        """Concatenates along the batch axis (SMP: for predictions)."""
+        return self.concat(axis)
+
+    def accumulate(self, method: str = "variable", var: Any = None) -> Any:
+        """The mean over microbatches, like `reduce_mean`. ``method`` is SMP's ("variable",
+        "add_n", "accumulate_n"); all give the same value here. With ``var`` (and method
+        "variable") the result is also assigned to ``var``, which is returned."""
+        if method not in ("variable", "add_n", "accumulate_n"):
+            raise StepError(
+                f"accumulate's method must be one of 'variable', 'add_n', 'accumulate_n'. "
+                f"Received: method={method!r}")
+        mean = self.reduce_mean()
+        if var is not None and method == "variable":
+            var.assign(mean)
+            return var
+        return mean
+
+
+# -- the context a step body runs in -------------------------------------------------------------
+
+
+class _Captured(Exception):
+    """Raised by the model call in capture mode: the body need not run further."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__("captured")
+        self.args, self.kwargs = args, kwargs
+
+
+class _Context:
+    """What a running step body sees: how `model(...)` and `tape.gradient` behave."""
+
+    def __init__(self, model: Any, mode: str) -> None:
+        self.model = model
+        self.mode = mode  # "capture" | "run" | "dry"
+        self.calls = 0
+        self.tapes: list[tf.GradientTape] = []
+        self.watch: list[tf.Tensor] = []
+        self.watch_grads: list[Any] | None = None
+        self.grad_lists: list[Any] = []
+        self.stage_outputs: Any = None
+        self.run_call: Callable[..., Any] | None = None
+
+
+def active_context() -> _Context | None:
+    return getattr(_local, "context", None)
+
+
+@contextlib.contextmanager
+def _activate(ctx: _Context) -> Iterator[_Context]:
+    previous = active_context()
+    _local.context = ctx
+    enter, gradient = tf.GradientTape.__enter__, tf.GradientTape.gradient
+
+    def patched_enter(tape: tf.GradientTape) -> tf.GradientTape:
+        result = enter(tape)
+        ctx.tapes.append(tape)
+        if ctx.watch:
+            tape.watch(ctx.watch)
+        return result
+
+    def patched_gradient(tape: tf.GradientTape, target: Any, sources: Any,
+                         output_gradients: Any = None, unconnected_gradients: Any = None) -> Any:
+        return _gradient(ctx, gradient, tape, target, sources, output_gradients,
+                         unconnected_gradients)
+
+    tf.GradientTape.__enter__ = patched_enter
+    tf.GradientTape.gradient = patched_gradient
+    try:
+        yield ctx
+    finally:
+        tf.GradientTape.__enter__ = enter
+        tf.GradientTape.gradient = gradient
+        _local.context = previous
+
+
+def _gradient(ctx: _Context, gradient: Any, tape: tf.GradientTape, target: Any, sources: Any,
+              output_gradients: Any, unconnected: Any) -> Any:
+    """``tape.gradient`` inside a step: in "run" mode also w.r.t. the received tensors; in "dry"
+    mode zeros shaped like the sources (only the structure matters)."""
+    flat = tf.nest.flatten(sources)
+    if ctx.mode == "dry":
+        result = tf.nest.pack_sequence_as(sources, [tf.zeros_like(_value(s)) for s in flat])
+    else:
+        kwargs = {} if unconnected is None else {"unconnected_gradients": unconnected}
+        grads = gradient(tape, target, flat + list(ctx.watch), output_gradients=output_gradients,
+                         **kwargs)
+        if ctx.watch:
+            ctx.watch_grads = list(grads[len(flat):])
+        result = tf.nest.pack_sequence_as(sources, list(grads[:len(flat)]))
+    ctx.grad_lists.append(result)
+    return result
+
+
+def _value(v: Any) -> Any:
+    return v.value if hasattr(v, "value") and not isinstance(v, tf.Tensor) else v
+
+
+# -- splitting arguments --------------------------------------------------------------------------
+
+
+def _split_arg(value: Any, m: int, axis: int, name: str) -> list[Any]:
+    if hasattr(value, "smp_slice"):
+        return [value.smp_slice(m, i, axis) for i in range(m)]
+    if isinstance(value, dict):
+        parts = {k: _split_arg(v, m, axis, name) for k, v in value.items()}
+        return [{k: parts[k][i] for k in value} for i in range(m)]
+    if isinstance(value, (list, tuple)):
+        items = [_split_arg(v, m, axis, name) for v in value]
+        return [type(value)(item[i] for item in items) for i in range(m)]
+    if isinstance(value, (tf.Tensor, np.ndarray, tf.Variable)) and len(np.shape(value)) > axis:
+        n = int(value.shape[axis])
+        if n % m:
+            raise StepError(
+                f"batch size must be divisible by microbatches. Received: argument '{name}' "
+                f"with batch_size={n} (axis {axis}), microbatches={m}. Use a batch size that is "
+                f"a multiple of {m}, or list '{name}' in non_split_inputs.")
+        size = n // m
+        return [tf.gather(value, tf.range(i * size, (i + 1) * size), axis=axis) for i in range(m)]
+    return [value] * m
+
+
+def _split_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], m: int,
+                     non_split: set[str], axes: dict[str, int]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    per: dict[str, list[Any]] = {}
+    for name, value in bound.arguments.items():
+        per[name] = [value] * m if name in non_split else _split_arg(value, m, axes.get(name, 0), name)
+    out = []
+    params = inspect.signature(fn).parameters
+    for i in range(m):
+        a, k = [], {}
+        for name, values in per.items():
+            kind = params[name].kind
+            if kind == inspect.Parameter.VAR_POSITIONAL:
+                a.extend(values[i])
+            elif kind == inspect.Parameter.VAR_KEYWORD:
+                k.update(values[i])
+            elif kind == inspect.Parameter.KEYWORD_ONLY:
+                k[name] = values[i]
+            else:
+                a.append(values[i])
+        out.append((tuple(a), k))
+    return out
+
+
+# -- the decorator ------------------------------------------------------------------------------
+
+
+class _Step:
+    """A function run once per microbatch across the pipeline. See the module docstring."""
+
+    def __init__(self, fn: Callable[..., Any], non_split_inputs: list[str] | None,
+                 input_split_axes: dict[str, int] | None, tf_kwargs: dict[str, Any]) -> None:
+        if tf_kwargs.get("jit_compile") or tf_kwargs.get("experimental_compile"):
+            raise StepError(
+                "smp.step cannot be XLA-compiled as one function: it exchanges messages between "
+                "ranks. Received: jit_compile=True. Set the `xla` parameter instead: tfsmp "
+                "compiles every stage program with XLA.")
+        unknown = set(tf_kwargs) - {"input_signature", "autograph", "reduce_retracing",
+                                    "experimental_relax_shapes", "name", "jit_compile",
+                                    "experimental_compile"}
+        if unknown:
+            raise StepError(f"smp.step got unknown arguments. Received: {sorted(unknown)}")
+        self.fn = fn
+        self.non_split = set(non_split_inputs or [])
+        self.axes = dict(input_split_axes or {})
+        self.input_signature = tf_kwargs.get("input_signature")
+        self._trains: bool | None = None  # does the body return gradients? (first call decides)
+        params = inspect.signature(fn).parameters
+        for name in self.non_split | set(self.axes):
+            if name not in params:
+                raise StepError(
+                    f"non_split_inputs and input_split_axes name the step's arguments. Received: "
+                    f"'{name}', but {fn.__name__} takes {list(params)}.")
+        functools.update_wrapper(self, fn)
+
+    @tf.autograph.experimental.do_not_convert  # type: ignore[untyped-decorator]
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # AutoGraph must not rewrite tfsmp's own Python (MPI calls, the pipeline executor).
+        if tf.inside_function():
+            return self._graph_call(args, kwargs)
+        return self._eager_call(args, kwargs)
+
+    # -- eager --------------------------------------------------------------------------------
+
+    def _eager_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import tfsmp.core as core
+
+        if not core.is_initialized():
+            core.init()
+        m = core.state().config.microbatches
+        parts = _split_arguments(self.fn, args, kwargs, m, self.non_split, self.axes)
+        captured = [self._capture(a, k) for a, k in parts]
+        model = captured[0][1]
+        inputs = [c for c, _ in captured]
+        engine = model._ensure_engine(_model_input(*inputs[0]))
+        if self._trains is None:  # same data on every rank, so every rank decides alike
+            dry = _Context(model, "dry")
+            with _activate(dry):
+                out0 = self.fn(*parts[0][0], **parts[0][1])
+            self._trains = _grad_list(dry, out0) is not None
+        results: dict[int, tuple[Any, list[Any] | None]] = {}
+
+        def head(i: int, prog: Any, stage_inputs: list[Any], recv: list[Any], mb: Any) -> Any:
+            ctx = _Context(model, "run")
+            ctx.watch = prog.diff_recv(recv)
+
+            def run_call(*_: Any, training: Any = None, **__: Any) -> Any:
+                _, outputs = prog.evaluate(stage_inputs, recv, training=bool(training))
+                return engine.traced.pack_outputs(outputs)
+
+            ctx.run_call = run_call
+            with _activate(ctx):
+                out = self.fn(*parts[i][0], **parts[i][1])
+            _check_used(ctx, self.fn)
+            if self._trains:
+                prog.finish_head(i, stage_inputs, recv, ctx.watch_grads or [])
+            results[i] = (out, _grad_list(ctx, out))
+            return out
+
+        engine.run_step([engine.traced.pack_inputs(_model_input(*c)) for c in inputs], head,
+                        train=bool(self._trains))
+        return self._assemble(model, engine, results, m)
+
+    def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """Runs the body up to its model call: ((call args, call kwargs), the model)."""
+        ctx = _Context(None, "capture")
+        with _activate(ctx):
+            try:
+                self.fn(*args, **kwargs)
+            except _Captured as c:
+                return (c.args, c.kwargs), ctx.model
+        raise StepError(
+            f"A step must call the DistributedModel and return something that depends on its "
+            f"output. Received: {self.fn.__name__} never called the model.")
+
+    def _assemble(self, model: Any, engine: Any, results: dict[int, tuple[Any, Any]], m: int
+                  ) -> Any:
+        """Every rank: the last stage's returned structure, with this rank's gradients."""
+        template = None
+        if engine.is_last_rank:
+            first, grads = results[0]
+            template = _template(first, grads)
+            flats = [[_to_numpy(v) for v in _flat_without(results[i][0], results[i][1])]
+                     for i in range(m)]
+            payload: Any = (template, flats)
+        else:
+            payload = None
+        template, flats = engine.comm.pipeline.bcast_obj(payload, root=engine.last_rank)
+        own = _own_gradients(engine, results, m) if _has_grads(template) else [[]] * m
+        per_mb = [_fill(template, [tf.convert_to_tensor(v) for v in flats[i]], own[i])
+                  for i in range(m)]
+        return _to_step_outputs(per_mb, m)
+
+    # -- inside an outer tf.function ------------------------------------------------------------
+
+    def _graph_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        import tfsmp.core as core
+
+        with tf.init_scope():
+            if not core.is_initialized():
+                core.init()
+        if tf.config.threading.get_inter_op_parallelism_threads() == 1:
+            raise StepError(
+                "An smp.step called inside a tf.function needs at least 2 TensorFlow inter-op "
+                "threads (it runs the pipeline in a tf.py_function). Received: "
+                "inter_op_parallelism_threads=1. Call smp.init() before TensorFlow runs any op, "
+                "or set TF_NUM_INTEROP_THREADS=2, or call the step outside the tf.function.")
+        m = core.state().config.microbatches
+        flat_args = tf.nest.flatten((args, kwargs))
+        tensor_pos = [i for i, a in enumerate(flat_args) if isinstance(a, (tf.Tensor, tf.Variable))]
+        dry = _Context(None, "dry")
+        with _activate(dry):
+            out = self.fn(*args, **kwargs)
+        _check_used(dry, self.fn)
+        model = dry.model
+        grads = dry.grad_lists[-1] if dry.grad_lists else None
+        template = _template(out, grads)
+        flat_out = _flat_without(out, grads)
+        n_grads = 0 if grads is None else len(model.trainable_variables)
+        tout = [t.dtype for t in flat_out] * m + [v.dtype for v in model.trainable_variables] * (
+            m if grads is not None else 0)
+
+        def eager(*tensors: Any) -> list[Any]:
+            values = list(flat_args)
+            for pos, t in zip(tensor_pos, tensors):
+                values[pos] = t
+            a, k = tf.nest.pack_sequence_as((args, kwargs), values)
+            result = self._eager_call(a, k)
+            leaves = [so.outputs for so in _flat_without(result, _grads_in(result, template))]
+            flat = [leaves[j][i] for i in range(m) for j in range(len(leaves))]
+            if n_grads:
+                own = _grads_in(result, template)
+                flat += [own[j].outputs[i] for i in range(m) for j in range(n_grads)]
+            return flat
+
+        values = tf.py_function(eager, [flat_args[i] for i in tensor_pos], tout)
+        n_out = len(flat_out)
+        for i, v in enumerate(values[:n_out * m]):
+            v.set_shape(_mb_shape(flat_out[i % n_out].shape, m))
+        per_mb_out = [values[i * n_out:(i + 1) * n_out] for i in range(m)]
+        rest = values[n_out * m:]
+        per_mb_grads = [[rest[i * n_grads + j] for j in range(n_grads)] for i in range(m)]
+        for i in range(m):
+            for g, v in zip(per_mb_grads[i], model.trainable_variables):
+                g.set_shape(v.shape)
+        return _to_step_outputs([_fill(template, per_mb_out[i], per_mb_grads[i]) for i in range(m)], m)
+
+
+def step(fn: Callable[..., Any] | None = None, *, non_split_inputs: list[str] | None = None,
+         input_split_axes: dict[str, int] | None = None, **tf_function_kwargs: Any) -> Any:
+    """Decorates a function that runs once per microbatch, pipelined (SMP's ``smp.step``).
+
+    Args:
+        fn: the step body (forward and backward of one microbatch).
+        non_split_inputs: names of arguments passed whole to every microbatch.
+        input_split_axes: ``{argument name: axis}`` to split along (default 0).
+        **tf_function_kwargs: as for ``tf.function`` (``input_signature`` …).
+    """
+    if fn is None:
+        return lambda f: _Step(f, non_split_inputs, input_split_axes, tf_function_kwargs)
+    return _Step(fn, non_split_inputs, input_split_axes, tf_function_kwargs)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _model_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0] if args else next(iter(kwargs.values()))
+
+
+def _check_used(ctx: _Context, fn: Callable[..., Any]) -> None:
+    if ctx.calls == 0:
+        raise StepError(
+            f"A step must call the DistributedModel and return something that depends on its "
+            f"output. Received: {fn.__name__} never called the model.")
+
+
+def _grad_list(ctx: _Context, out: Any) -> Any:
+    """The object the body returned from ``tape.gradient(..., model.trainable_variables)``."""
+    flat = [x for x in _walk(out)]
+    for g in reversed(ctx.grad_lists):
+        if any(x is g for x in flat):
+            return g
+    return None
+
+
+def _walk(structure: Any) -> Iterator[Any]:
+    yield structure
+    if isinstance(structure, dict):
+        for v in structure.values():
+            yield from _walk(v)
+    elif isinstance(structure, (list, tuple)):
+        for v in structure:
+            yield from _walk(v)
+
+
+_GRADS = "__tfsmp_grads__"
+
+
+def _template(out: Any, grads: Any) -> Any:
+    """The returned structure with tensors as None and the gradient list as a marker."""
+    if grads is not None and out is grads:
+        return _GRADS
+    if isinstance(out, dict):
+        return {k: _template(v, grads) for k, v in out.items()}
+    if isinstance(out, (list, tuple)):
+        return type(out)(_template(v, grads) for v in out)
+    if out is None:
+        raise StepError("A step must return tensors. Received: None inside the returned value.")
+    return None
+
+
+def _flat_without(out: Any, grads: Any) -> list[Any]:
+    if grads is not None and out is grads:
+        return []
+    if isinstance(out, dict):
+        return [x for k in out for x in _flat_without(out[k], grads)]
+    if isinstance(out, (list, tuple)):
+        return [x for v in out for x in _flat_without(v, grads)]
+    return [out]
+
+
+def _fill(template: Any, leaves: list[Any], grads: list[Any]) -> Any:
+    it = iter(leaves)
+
+    def fill(t: Any) -> Any:
+        if isinstance(t, str) and t == _GRADS:
+            return list(grads)
+        if isinstance(t, dict):
+            return {k: fill(v) for k, v in t.items()}
+        if isinstance(t, (list, tuple)):
+            return type(t)(fill(v) for v in t)
+        return next(it)
+
+    return fill(template)
+
+
+def _has_grads(template: Any) -> bool:
+    if isinstance(template, str):
+        return template == _GRADS
+    if isinstance(template, dict):
+        return any(_has_grads(v) for v in template.values())
+    if isinstance(template, (list, tuple)):
+        return any(_has_grads(v) for v in template)
+    return False
+
+
+def _grads_in(result: Any, template: Any) -> Any:
+    if isinstance(template, str) and template == _GRADS:
+        return result
+    if isinstance(template, dict):
+        for k, v in template.items():
+            found = _grads_in(result[k], v)
+            if found is not None:
+                return found
+    if isinstance(template, (list, tuple)):
+        for r, t in zip(result, template):
+            found = _grads_in(r, t)
+            if found is not None:
+                return found
+    return None
+
+
+def _to_step_outputs(per_mb: list[Any], m: int) -> Any:
+    first = per_mb[0]
+    if isinstance(first, dict):
+        return {k: _to_step_outputs([p[k] for p in per_mb], m) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_to_step_outputs([p[j] for p in per_mb], m) for j in range(len(first)))
+    return StepOutput(per_mb)
+
+
+def _to_numpy(v: Any) -> Any:
+    return np.asarray(v) if isinstance(v, (tf.Tensor, tf.Variable)) else v
+
+
+def _mb_shape(shape: Any, m: int) -> Any:
+    dims = shape.as_list() if hasattr(shape, "as_list") else list(shape)
+    if dims and dims[0] is not None:
+        dims[0] = dims[0] // m if dims[0] % m == 0 else None
+    return tf.TensorShape(dims)
+
+
+def _own_gradients(engine: Any, results: dict[int, tuple[Any, Any]], m: int) -> list[list[Any]]:
+    """This rank's weight gradients per microbatch, in `model.trainable_variables` order."""
+    out: list[list[Any]] = []
+    for i in range(m):
+        grads: list[Any] = []
+        for s in engine.stages:
+            prog = engine.programs[s]
+            if prog.is_last:
+                body_grads = results.get(i, (None, None))[1]
+                if body_grads is None:
+                    raise StepError(
+                        "A training step must return tape.gradient(loss, model.trainable_variables). "
+                        "Received: no gradient list in what the step returned.")
+                flat = tf.nest.flatten(body_grads)
+                mine = flat[len(grads):len(grads) + len(prog.trainable)] if len(flat) >= len(
+                    grads) + len(prog.trainable) else flat[-len(prog.trainable):]
+                grads.extend(g if g is not None else tf.zeros_like(v.value)
+                             for g, v in zip(mine, prog.trainable))
+            else:
+                grads.extend(prog.collected.get(i, [tf.zeros_like(v.value) for v in prog.trainable]))
+        out.append(grads)
+    return out
