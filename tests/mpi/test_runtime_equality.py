@@ -30,6 +30,11 @@ TWO_RANKS = [
     "embed:2:4:interleaved:speed:adam", "embed:1:4:simple:memory:adam",  # sparse grads, d=2
     "mlp:2:4:interleaved:speed:v2", "rescnn:2:8:interleaved:memory:v2",   # 2 virtual stages/rank
     "transformer:2:4:interleaved:speed:v2",
+    # BatchNormalization: moving statistics equal plain Keras at m = 1 (per-microbatch otherwise);
+    # Dropout: at m = 1 the same masks as plain Keras; at m > 1 memory-mode recompute reuses the
+    # forward's masks, so speed and memory training are bit-identical.
+    "bn:2:1:interleaved:speed", "bn:2:1:simple:memory",
+    "drop:2:1:interleaved:speed", "drop:2:1:simple:memory", "dropmodes:2:4",
 ]
 
 FOUR_RANKS = [

@@ -67,6 +67,22 @@ def build(name: str) -> keras.Model:
         h = shared(h)
         h = L.Dense(8, activation="tanh", name="after")(h)
         return keras.Model(x, L.Dense(2, name="out")(h), name="shared")
+    if name == "bn":
+        x = keras.Input((12,), name="x")
+        h = L.Dense(16, name="b1")(x)
+        h = L.BatchNormalization(name="bn1")(h)
+        h = L.Activation("relu", name="r1")(h)
+        h = L.Dense(16, name="b2")(h)
+        h = L.BatchNormalization(name="bn2")(h)
+        h = L.Activation("relu", name="r2")(h)
+        return keras.Model(x, L.Dense(2, name="out")(h), name="bn")
+    if name == "drop":
+        x = keras.Input((12,), name="x")
+        h = L.Dense(32, activation="relu", name="p1")(x)
+        h = L.Dropout(0.3, seed=5, name="drop1")(h)
+        h = L.Dense(32, activation="relu", name="p2")(h)
+        h = L.Dropout(0.3, seed=6, name="drop2")(h)
+        return keras.Model(x, L.Dense(2, name="out")(h), name="drop")
     if name == "embed":
         tok = keras.Input((5,), dtype="int32", name="tokens")
         h = L.Embedding(30, 6, name="embed")(tok)
@@ -103,11 +119,13 @@ def data(name: str, n: int) -> tuple[object, object]:
         return rng.integers(0, 40, size=(n, 6)).astype("int32"), rng.integers(0, 3, size=(n,))
     if name == "embed":
         return rng.integers(0, 30, size=(n, 5)).astype("int32"), rng.integers(0, 3, size=(n,))
+    if name in ("bn", "drop"):
+        return rng.normal(size=(n, 12)).astype(f32), rng.normal(size=(n, 2)).astype(f32)
     raise ValueError(name)
 
 
 def loss_of(name: str) -> object:
-    if name in ("mlp", "shared"):
+    if name in ("mlp", "shared", "bn", "drop"):
         return "mse"
     if name == "embed":
         return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -135,8 +153,29 @@ def rows(v: object, lo: int, hi: int) -> object:
     return v[lo:hi]  # type: ignore[index]
 
 
+def dropout_modes(p: int, m: int) -> dict[str, object]:
+    """Dropout at m > 1 differs from plain Keras (one mask per microbatch), but it must be
+    deterministic, and memory mode's recompute must reuse the forward's masks: speed and memory
+    training give identical weights."""
+    x, y = data("drop", STEPS * BATCH)
+    weights = {}
+    for optimize in ("speed", "memory"):
+        if tfsmp.is_initialized():
+            tfsmp.shutdown()
+        tfsmp.init({"partitions": p, "microbatches": m, "optimize": optimize})
+        dm = tfsmp.DistributedModel(build("drop"))
+        dm.compile(optimizer=optimizer_of(False), loss="mse")
+        for i in range(STEPS):
+            dm.train_on_batch(rows(x, i * BATCH, (i + 1) * BATCH), rows(y, i * BATCH, (i + 1) * BATCH))
+        weights[optimize] = dm.get_weights()
+    same = all(np.array_equal(a, b) for a, b in zip(weights["speed"], weights["memory"]))
+    return {"ok": same, "held_bytes": 0, "plan_bytes": 0, "max_weight_err": 0.0}
+
+
 def run_case(spec: str) -> dict[str, object]:
     parts = spec.split(":")
+    if parts[0] == "dropmodes":
+        return dropout_modes(int(parts[1]), int(parts[2]))
     name, p, m, pipeline, optimize = parts[0], int(parts[1]), int(parts[2]), parts[3], parts[4]
     flags = set(parts[5].split(",")) if len(parts) > 5 else set()
     horovod, adam = "horovod" in flags, "adam" in flags
