@@ -59,6 +59,12 @@ def parse_distribution(text: str) -> tuple[dict[str, Any], int | None]:
 
 def resolve_launch(args: argparse.Namespace,
                    environ: Mapping[str, str] | None = None) -> tuple[int, str | None]:
+    np, config_json, _ = resolve_launch_options(args, environ)
+    return np, config_json
+
+
+def resolve_launch_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None
+                           ) -> tuple[int, str | None, list[str]]:
     """Works out -np and the config JSON, and validates the config for that world size.
 
     Returns:
@@ -74,9 +80,16 @@ def resolve_launch(args: argparse.Namespace,
 
     params: dict[str, Any] = {}
     np = args.np
+    mpi_args: list[str] = []
     if args.distribution:
-        params, ppn = parse_distribution(args.distribution)
-        np = np or ppn
+        # The SDK's own validation (messages, the `process_per_host` did-you-mean, the
+        # partitions rule) and the distribution's custom_mpi_options for mpirun.
+        from tfsmp.launch.sagemaker import run_options
+
+        options = run_options(args.distribution, np=np)
+        for warning in options.warnings:
+            print(f"tfsmp run: warning: {warning}", file=sys.stderr)
+        params, np, mpi_args = dict(options.parameters or {}), options.np, list(options.mpi_args)
     if args.config:
         params.update(parse_mp_parameters(args.config))
     if np is None:
@@ -86,7 +99,7 @@ def resolve_launch(args: argparse.Namespace,
     if params:  # mpirun's `-x SM_HP_MP_PARAMETERS=...` replaces the launcher's own value
         env.pop(CONFIG_ENV, None)
     load_config(params or None, environ=env, world_size=np)
-    return np, (json.dumps(params) if params else None)
+    return np, (json.dumps(params) if params else None), mpi_args
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,14 +108,15 @@ def run(args: argparse.Namespace) -> int:
     from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
 
     try:
-        np, config_json = resolve_launch(args)
+        np, config_json, dist_mpi_args = resolve_launch_options(args)
     except ConfigError as e:
         print(f"tfsmp run: error: {e}", file=sys.stderr)
         return 2
     env = dict(item.split("=", 1) if "=" in item else (item, None) for item in args.env or [])
     argv = build_mpirun_command(
         np, [args.script, *args.script_args], config_json=config_json, hostfile=args.hostfile,
-        hosts=args.host, env=env, extra_mpi_args=shlex.split(args.mpi_args or ""),
+        hosts=args.host, env=env,
+        extra_mpi_args=[*dist_mpi_args, *shlex.split(args.mpi_args or "")],
         tag_output=args.tag_output, mpirun=find_mpirun())
     if args.dry_run:
         print(shlex.join(argv))
