@@ -148,6 +148,10 @@ def init(config: Mapping[str, Any] | str | Config | None = None) -> Config:
     failure.install(state.tag)
     _pin_gpu(comm.local_rank)
     _ensure_inter_op_threads()
+    if cfg.seed is not None:  # same initial weights, dropout masks and shuffles on every rank
+        import keras
+
+        keras.utils.set_random_seed(cfg.seed)
     if cfg.horovod:
         from tfsmp.comm.horovod import init_horovod
 
