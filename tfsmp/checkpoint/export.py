@@ -1,0 +1,429 @@
+"""Plain-Keras files from a partitioned model, and pretrained Keras weights into one.
+
+Example::
+
+    dm.load_weights("pretrained.weights.h5")   # each rank reads only its stages' weights
+    dm.fit(x, y, epochs=3)
+    dm.save("finetuned.keras")                 # every rank calls; world rank 0 writes
+    keras.models.load_model("finetuned.keras") # plain Keras, one process: same predictions
+    dm.save_model("/opt/ml/model")             # TF SavedModel, signatures["serving_default"]
+
+Writing, roughly: every rank records the Keras weights layout of the whole model (no reads,
+see [Note: Keras weights layout] in `keras_h5`); data rank 0 of each stage sends its arrays to
+world rank 0, which writes them as they arrive, so it never holds more than its own stage and
+one other rank's. Reading: each rank opens the file and reads only the datasets of the
+variables it holds. Loads requested before the model is partitioned are kept and applied by
+`apply_pending` right after partitioning, on every rank, before the first step.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+
+from tfsmp.checkpoint import keras_h5
+from tfsmp.checkpoint.keras_h5 import Entry, H5Layout
+from tfsmp.errors import CheckpointError
+
+__all__ = ["apply_pending", "load_weights", "save", "save_model", "save_weights"]
+
+_TAG = 0x7C4B  # message tag of the gather to world rank 0 (its own tag, never a pipeline one)
+_PENDING: weakref.WeakKeyDictionary[Any, list[Callable[[Any], None]]] = weakref.WeakKeyDictionary()
+_LAST_READ: list[str] = []  # datasets this process read in its last load (tests check partial reads)
+
+
+def last_read() -> list[str]:
+    """The weights-file datasets this process read in its most recent `load_weights`."""
+    return list(_LAST_READ)
+
+
+# -- pending work ------------------------------------------------------------------------------
+
+def defer(dm: Any, fn: Callable[[Any], None]) -> None:
+    """Runs ``fn(dm)`` in `apply_pending`, right after ``dm`` is partitioned."""
+    _PENDING.setdefault(dm, []).append(fn)
+
+
+def has_pending(dm: Any) -> bool:
+    return bool(_PENDING.get(dm))
+
+
+def apply_pending(dm: Any) -> None:
+    """Applies the loads and restores requested before partitioning, in call order.
+
+    `DistributedModel` calls this on every rank right after building its engine.
+    """
+    work = _PENDING.pop(dm, [])
+    for fn in work:
+        fn(dm)
+
+
+# -- who holds what ------------------------------------------------------------------------------
+
+def _state(dm: Any) -> Any:
+    if dm._state is None:
+        dm._state = dm._runtime_state()
+    return dm._state
+
+
+def _skip(dm: Any) -> tuple[Any, ...]:
+    """What a weights file of the model leaves out: the (partitioned) optimizer."""
+    return (getattr(dm, "optimizer", None),)
+
+
+def _layout(dm: Any) -> H5Layout:
+    return keras_h5.record_layout(dm._source_model(), skip=_skip(dm))
+
+
+def _owners(dm: Any, layout: H5Layout) -> dict[int, int]:
+    """``{entry index: world rank that sends it}``; entries absent are computed on rank 0."""
+    engine = dm._engine
+    if engine is None:
+        return {}
+    from tfsmp.checkpoint.layout import Layout
+
+    table = Layout.of(dm)
+    topo = dm._state.topology
+    out: dict[int, int] = {}
+    for i, e in enumerate(layout.entries):
+        key = table.keys.get(id(e.value)) if isinstance(e.value, keras.Variable) else None
+        if key is not None and key in table.stage:
+            out[i] = topo.rank_of(table.stage[key] % engine.num_ranks, 0)
+    return out
+
+
+def _value(entry: Entry) -> np.ndarray:
+    value = entry.value.value if isinstance(entry.value, keras.Variable) else entry.value
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def _send_mine(dm: Any, layout: H5Layout, owners: dict[int, int]) -> None:
+    world = _state(dm).comm.world
+    mine: dict[int, np.ndarray] | str
+    try:
+        mine = {i: _value(layout.entries[i]) for i, r in owners.items() if r == world.rank}
+    except Exception as e:  # rank 0 must hear of it, or it waits forever
+        mine = f"{type(e).__name__}: {e}"
+    world.send_obj(mine, 0, _TAG)
+
+
+def _write_all(dm: Any, layout: H5Layout, owners: dict[int, int], path: str) -> list[str]:
+    """World rank 0: writes every entry, receiving the other ranks' arrays one rank at a time.
+
+    Always receives from every sender (they block until it does); returns the problems."""
+    world = _state(dm).comm.world
+    errors: list[str] = []
+
+    def put(writer: Any, e: Entry, fetch: Callable[[], Any]) -> None:
+        try:
+            writer.put(e, fetch())
+        except Exception as ex:  # a released variable (another stage's), an unwritable file
+            errors.append(f"'{e.dataset}' ({getattr(e.value, 'path', 'a tensor')}): "
+                          f"{type(ex).__name__}: {ex}")
+
+    writer: Any = None
+    try:
+        writer = keras_h5.WeightsWriter(path, layout)
+    except Exception as ex:
+        errors.append(f"{path!r} cannot be written: {ex}")
+    for i, e in enumerate(layout.entries):
+        if writer is not None and owners.get(i, 0) == 0:
+            put(writer, e, functools.partial(_value, e))
+    for rank in sorted({r for r in owners.values() if r != 0}):
+        got = world.recv_obj(rank, _TAG)
+        if isinstance(got, str):
+            errors.append(f"rank {rank}: {got}")
+        elif writer is not None:
+            for i, value in got.items():
+                put(writer, layout.entries[i], functools.partial(np.asarray, value))
+    if writer is not None:
+        writer.close()
+    return errors
+
+
+def _collective_write(dm: Any, target: str, overwrite: bool,
+                      finish: Callable[[str, str], None]) -> None:
+    """Every rank: gathers the weights to world rank 0, which writes a temporary weights file
+    and calls ``finish(weights_file, output_path)``; errors are raised on every rank."""
+    world = _state(dm).comm.world
+    if dm._engine is None and has_pending(dm):
+        raise CheckpointError(
+            f"A model with a pending load_weights/restore can be saved once it is partitioned. "
+            f"Received: save to {target!r} before the first step. Fix: run a step (or "
+            f"model.partition(x)) first.")
+    layout = _layout(dm)
+    owners = _owners(dm, layout)
+    tmpdir = _root_prepare(target, overwrite) if world.rank == 0 else None
+    ready = world.bcast_obj(tmpdir, root=0)
+    if isinstance(ready, CheckpointError):
+        raise ready
+    outcome: str | None = None
+    if world.rank != 0:
+        if world.rank in owners.values():
+            _send_mine(dm, layout, owners)
+    else:
+        outcome = _root_finish(dm, layout, owners, target, str(tmpdir), finish)
+    outcome = world.bcast_obj(outcome, root=0)
+    if outcome is not None:
+        raise CheckpointError(outcome)
+
+
+def _root_prepare(target: str, overwrite: bool) -> str | CheckpointError:
+    if os.path.exists(target) and not overwrite:
+        return CheckpointError(
+            f"The file must not exist when overwrite=False. Received: {target!r} exists. Pass "
+            f"overwrite=True or another path.")
+    try:
+        folder = os.path.dirname(os.path.abspath(target))
+        os.makedirs(folder, exist_ok=True)
+        return tempfile.mkdtemp(prefix=".tfsmp-save-", dir=folder)
+    except OSError as e:
+        return CheckpointError(f"The target directory must be writable. Received: {target!r} "
+                               f"({e}). Pass a writable path.")
+
+
+def _root_finish(dm: Any, layout: H5Layout, owners: dict[int, int], target: str, tmpdir: str,
+                 finish: Callable[[str, str], None]) -> str | None:
+    try:
+        weights = os.path.join(tmpdir, keras_h5.WEIGHTS_NAME)
+        errors = _write_all(dm, layout, owners, weights)
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            return (f"Every weight must be readable by the rank that holds it. Received: "
+                    f"{errors[0]}{more}.")
+        out = os.path.join(tmpdir, "out")
+        finish(weights, out)
+        os.replace(out, target)  # readers see the old file or the new one, never half of one
+        return None
+    except Exception as e:  # reported on every rank
+        return f"{type(e).__name__}: {e}"
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def save_weights(dm: Any, filepath: str, overwrite: bool = True) -> None:
+    """Writes a standard Keras ``.weights.h5`` of the whole model (every rank calls).
+
+    The optimizer's state is not included (it lives on the stages); use `CheckpointManager`
+    to resume training.
+
+    Raises:
+        ValueError: ``filepath`` does not end in ``.weights.h5``.
+        CheckpointError: the file exists and ``overwrite`` is False, or writing failed.
+    """
+    path = os.fspath(filepath)
+    if not str(path).endswith(".weights.h5"):
+        raise ValueError(
+            f"The filename must end in `.weights.h5`. Received: filepath={path}. Use "
+            f"model.save('m.keras') for the whole model.")
+
+    def finish(weights: str, out: str) -> None:
+        shutil.move(weights, out)
+
+    _collective_write(dm, str(path), overwrite, finish)
+
+
+def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
+    """`DistributedModel.save`: ``.keras`` (whole model) or ``.weights.h5`` (weights).
+
+    Every rank calls it; world rank 0 writes a file that plain ``keras.models.load_model``
+    opens in one process.
+
+    Raises:
+        ValueError: another extension or unsupported arguments.
+        CheckpointError: the file exists and ``overwrite`` is False, or writing failed.
+    """
+    path = str(os.fspath(filepath))
+    unknown = set(kwargs) - {"zipped", "include_optimizer"}
+    if unknown or kwargs.get("zipped", True) is False:
+        raise ValueError(
+            f"DistributedModel.save writes a zipped .keras file. Received: unsupported "
+            f"arguments {sorted(unknown) or ['zipped=False']}. Drop them.")
+    if path.endswith(".weights.h5"):
+        save_weights(dm, path, overwrite)
+        return
+    if not path.endswith(".keras"):
+        raise ValueError(
+            f"DistributedModel.save needs a path ending in `.keras` (whole model) or "
+            f"`.weights.h5` (weights only). Received: filepath={path}. For a TensorFlow "
+            f"SavedModel call model.save_model(directory); to resume training use "
+            f"tfsmp.CheckpointManager.")
+    source = dm._source_model()
+
+    def finish(weights: str, out: str) -> None:
+        keras_h5.write_keras_archive(out, source, weights)
+
+    _collective_write(dm, path, overwrite, finish)
+
+
+# -- loading pretrained weights -----------------------------------------------------------------
+
+def _check_weights_path(path: str) -> None:
+    if path.endswith(".weights.json"):
+        raise ValueError(
+            f"Sharded weights are not supported. Received: filepath={path}. Save unsharded "
+            f"(model.save_weights('w.weights.h5')).")
+    if not path.endswith((".weights.h5", ".keras")):
+        raise ValueError(
+            f"load_weights reads Keras files ending in `.weights.h5` or `.keras`. Received: "
+            f"filepath={path}. To resume a tfsmp checkpoint use CheckpointManager.restore().")
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"The weights file must exist. Received: filepath={path!r}. Check the path.")
+
+
+def load_weights(dm: Any, filepath: str, skip_mismatch: bool = False) -> None:
+    """Loads a Keras ``.weights.h5``/``.keras`` file; each rank reads only its own variables.
+
+    Before partitioning it is kept and applied right after (see `apply_pending`). Layer
+    ``trainable`` flags are untouched, so frozen layers stay frozen.
+
+    Raises:
+        ValueError: another extension.
+        CheckpointError: the file is missing or does not match the model (a dataset missing,
+            another shape or another number of weights in a layer), raised on every rank before
+            any variable changes. With ``skip_mismatch`` those variables are skipped instead.
+    """
+    path = str(os.fspath(filepath))
+    _check_weights_path(path)
+    if dm._engine is None:
+        defer(dm, lambda m: _load_now(m, path, skip_mismatch))
+        return
+    _load_now(dm, path, skip_mismatch)
+
+
+def _held_entries(dm: Any, layout: H5Layout) -> list[tuple[Entry, Any]]:
+    from tfsmp.checkpoint.layout import Layout
+
+    held = {id(v) for v in Layout.of(dm).held_variables().values()}
+    return [(e, e.value) for e in layout.entries
+            if isinstance(e.value, keras.Variable) and id(e.value) in held]
+
+
+def _read_held(path: str, entries: list[tuple[Entry, Any]], layout: H5Layout,
+               skip_mismatch: bool) -> tuple[list[tuple[Any, np.ndarray]], list[str], list[str]]:
+    """(variable, value) pairs to assign, errors, and skipped-variable warnings."""
+    _LAST_READ.clear()
+    counts: dict[str, int] = {}
+    for e in layout.entries:
+        counts[e.group] = counts.get(e.group, 0) + 1
+    out: list[tuple[Any, np.ndarray]] = []
+    problems: list[str] = []
+    with keras_h5.open_weights(path) as h5:
+        for entry, v in entries:
+            size = keras_h5.group_size(h5, entry.group)
+            if size is not None and size != counts[entry.group]:
+                problems.append(
+                    f"Layer weights must match in number. Received: '{entry.group}' in {path!r} "
+                    f"has {size} weights, the model's layer has {counts[entry.group]} "
+                    f"(variable '{v.path}').")
+                continue
+            if not keras_h5.has_entry(h5, entry):
+                problems.append(
+                    f"Every model weight must be in the file. Received: '{entry.dataset}' "
+                    f"(variable '{v.path}') is missing from {path!r}.")
+                continue
+            value = keras_h5.read_entry(h5, entry, path)
+            if tuple(value.shape) != tuple(v.shape):
+                problems.append(
+                    f"Weight shapes must match. Received: '{entry.dataset}' in {path!r} has "
+                    f"shape {tuple(value.shape)}, variable '{v.path}' has {tuple(v.shape)}.")
+                continue
+            out.append((v, value))
+            _LAST_READ.append(entry.dataset)
+    if skip_mismatch:
+        return out, [], problems
+    return out, problems, []
+
+
+def _load_now(dm: Any, path: str, skip_mismatch: bool) -> None:
+    world = _state(dm).comm.world
+    layout = _layout(dm)
+    errors: list[str] = []
+    skipped: list[str] = []
+    values: list[tuple[Any, np.ndarray]] = []
+    try:
+        values, errors, skipped = _read_held(path, _held_entries(dm, layout), layout,
+                                             skip_mismatch)
+    except Exception as e:  # every rank must learn of it before anyone assigns
+        errors = [str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"]
+    everyone = [e for part in world.allgather_obj(errors) for e in part]
+    if everyone:
+        more = f" (and {len(everyone) - 1} more)" if len(everyone) > 1 else ""
+        raise CheckpointError(everyone[0] + more + " Pass skip_mismatch=True to skip them.")
+    for message in skipped:
+        warnings.warn(f"Skipped while loading weights: {message}", stacklevel=3)
+    for v, value in values:
+        v.assign(value)
+
+
+# -- SavedModel --------------------------------------------------------------------------------
+
+def _standalone_copy(dm: Any, keras_file: str, weights_file: str) -> keras.Model:
+    """A fully materialized single-process copy of the model, with the saved weights.
+
+    A Functional/Sequential model is read back from the ``.keras`` file; a subclassed one is
+    rebuilt from its config, built by a symbolic call of its ``call`` (a Functional model over
+    its layers, as the tracer does), and given the weights."""
+    from keras.src.models.functional import Functional
+    from keras.src.saving import saving_lib
+
+    source = dm._source_model()
+    if isinstance(source, (Functional, keras.Sequential)):
+        return keras.saving.load_model(keras_file, compile=False)
+    copy = type(source).from_config(source.get_config())
+    specs = dm._engine.traced.input_specs
+    inputs = [keras.Input(shape=tuple(s.shape)[1:], dtype=s.dtype) for s in specs]
+    args = inputs[0] if len(inputs) == 1 else inputs
+    functional = keras.Model(args, copy.call(args))
+    copy.built = True
+    saving_lib.load_weights_only(copy, weights_file)
+    return functional
+
+
+def save_model(dm: Any, save_path: str = "/opt/ml/model") -> None:
+    """SMP's `save_model`: the whole unpartitioned model as a TensorFlow SavedModel.
+
+    Every rank calls it; world rank 0 rebuilds the model in one process and exports it, so
+    ``tf.saved_model.load(save_path).signatures["serving_default"](x)["output_0"]`` serves it.
+    """
+    from tfsmp.checkpoint.layout import resolve_sagemaker_path
+
+    save_path = resolve_sagemaker_path(os.fspath(save_path))
+    st = _state(dm)
+    world = st.comm.world
+    tmpdir = tempfile.mkdtemp(prefix=".tfsmp-export-") if world.rank == 0 else ""
+    keras_file = os.path.join(tmpdir, "model.keras")
+    weights_file = os.path.join(tmpdir, "model.weights.h5")
+    try:
+        from keras.src.models.functional import Functional
+
+        plain = isinstance(dm._source_model(), (Functional, keras.Sequential))
+        if plain:
+            save(dm, keras_file if world.rank == 0 else "unused.keras")
+        else:
+            save_weights(dm, weights_file if world.rank == 0 else "unused.weights.h5")
+        outcome = None
+        if world.rank == 0:
+            try:
+                copy = _standalone_copy(dm, keras_file, weights_file)
+                copy.export(str(save_path), format="tf_saved_model", verbose=False)
+            except Exception as e:  # every rank raises it
+                outcome = f"{type(e).__name__}: {e}"
+        outcome = world.bcast_obj(outcome, root=0)
+        if outcome is not None:
+            raise CheckpointError(
+                f"The SavedModel could not be written. Received: {outcome}. Fix: check that "
+                f"the model can be rebuilt from its config (custom layers registered).")
+    finally:
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)

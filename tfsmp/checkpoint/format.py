@@ -1,0 +1,341 @@
+"""On-disk format of a tfsmp checkpoint: arrays, manifest, atomic commit, `latest`, pruning.
+
+Example::
+
+    tmp = begin(root, "ckpt-3")                         # <root>/ckpt-3.tmp, empty
+    entry = write_array(tmp, "model/d0_kernel.npy", w)   # {"file", "shape", "dtype", "sha256", "bytes"}
+    write_manifest(tmp, {"variables": {"d0/kernel": entry}, ...})
+    commit(tmp, os.path.join(root, "ckpt-3"))           # one rename: complete or absent
+    write_latest(root, "ckpt-3")
+    manifest = read_manifest(os.path.join(root, "ckpt-3"))
+    w = read_array(os.path.join(root, "ckpt-3"), "d0/kernel", manifest["variables"]["d0/kernel"])
+
+[Note: checkpoint layout] A checkpoint is one directory ``<name>-<N>`` holding ``manifest.json``
+and one ``.npy`` file per array, keyed in the manifest by variable path (layer name and weight
+name), never by stage or rank, so any partitioning can read it. Each entry records the file
+(relative to the checkpoint), shape, dtype, byte size and SHA-256 of the file. Arrays are plain
+``.npy`` read with ``allow_pickle=False``; ``bfloat16`` is stored as its ``uint16`` bits. The
+directory is written under ``<name>-<N>.tmp`` and renamed into place only after every file and
+the manifest are on disk, so a process killed while saving leaves the previous checkpoints
+complete and never a partial ``<name>-<N>``. ``latest`` names the newest checkpoint; it is
+replaced atomically (write a temporary file, ``os.replace``).
+
+This module imports neither TensorFlow nor MPI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+
+from tfsmp.errors import CheckpointError
+
+__all__ = [
+    "FORMAT", "LATEST", "MANIFEST", "VERSION", "array_file", "atomic_write_text", "begin",
+    "checkpoint_number", "commit", "list_checkpoints", "prune", "read_array", "read_latest",
+    "read_manifest", "resolve", "safe_join", "write_array", "write_latest", "write_manifest",
+]
+
+FORMAT = "tfsmp-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TMP_SUFFIX = ".tmp"
+# Test hook: seconds to sleep after each array file, so a test can SIGKILL a save part-way.
+SLOW_SAVE_ENV = "TFSMP_TEST_SLOW_SAVE"
+_REQUIRED = ("format", "format_version", "variables")
+_STORED_AS = {"bfloat16": "uint16"}  # dtypes .npy cannot hold without pickle -> their bit pattern
+
+
+# -- paths -----------------------------------------------------------------------------------
+
+def array_file(section: str, key: str) -> str:
+    """A file name for ``key`` that is readable, filesystem-safe and unique per key."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", key).strip("._")[:80] or "var"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    return f"{section}/{safe}.{digest}.npy"
+
+
+def safe_join(ckpt_dir: str, relpath: Any, key: str) -> str:
+    """``ckpt_dir/relpath``, refusing anything that leaves the checkpoint directory.
+
+    Raises:
+        CheckpointError: ``relpath`` is not a string, is absolute, contains ``..``, or resolves
+            (through symlinks) outside ``ckpt_dir``.
+    """
+    bad = (not isinstance(relpath, str) or not relpath or os.path.isabs(relpath)
+           or ".." in relpath.replace("\\", "/").split("/"))
+    full = os.path.realpath(os.path.join(ckpt_dir, relpath)) if not bad else ""
+    root = os.path.realpath(ckpt_dir)
+    if bad or os.path.commonpath([root, full]) != root:
+        raise CheckpointError(
+            f"A manifest file path must stay inside the checkpoint directory. Received: "
+            f"file={relpath!r} for variable '{key}' in {os.path.join(ckpt_dir, MANIFEST)}. "
+            f"The manifest was edited or is not a tfsmp manifest: restore another checkpoint.")
+    return full
+
+
+# -- arrays ----------------------------------------------------------------------------------
+
+def _slow_save_pause() -> None:
+    delay = float(os.environ.get(SLOW_SAVE_ENV, "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_array(ckpt_dir: str, relpath: str, value: Any, dtype: str | None = None
+                ) -> dict[str, Any]:
+    """Writes one array as ``.npy`` (fsynced) and returns its manifest entry.
+
+    Args:
+        ckpt_dir: The (temporary) checkpoint directory.
+        relpath: File path inside it, e.g. from `array_file`.
+        value: The array.
+        dtype: The logical dtype name (e.g. ``"bfloat16"``); default: the array's own.
+
+    Returns:
+        ``{"file", "shape", "dtype", "bytes", "sha256"}``.
+    """
+    array = np.asarray(value)
+    if not array.flags.c_contiguous:  # (np.ascontiguousarray would turn a scalar into shape (1,))
+        array = array.copy(order="C")
+    name = dtype or str(array.dtype)
+    if name in _STORED_AS:
+        array = array.view(_STORED_AS[name])
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    data = buf.getvalue()
+    path = os.path.join(ckpt_dir, relpath)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    _slow_save_pause()
+    return {"file": relpath, "shape": [int(d) for d in array.shape], "dtype": name,
+            "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def read_array(ckpt_dir: str, key: str, entry: Any) -> np.ndarray:
+    """Reads and verifies one array of a checkpoint.
+
+    Raises:
+        CheckpointError: the entry is malformed, the file is missing, truncated, fails its
+            checksum, or holds another shape or dtype than the manifest says. The message names
+            the file and the variable.
+    """
+    if not isinstance(entry, dict) or not {"file", "shape", "dtype", "sha256"} <= set(entry):
+        raise CheckpointError(
+            f"Every manifest entry needs file, shape, dtype and sha256. Received: {entry!r} for "
+            f"variable '{key}' in {os.path.join(ckpt_dir, MANIFEST)}. Restore another checkpoint.")
+    path = safe_join(ckpt_dir, entry["file"], key)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"A checkpoint file is missing. Received: file '{path}' for variable '{key}' does "
+            f"not exist. The checkpoint is incomplete: restore another one.")
+    with open(path, "rb") as f:
+        data = f.read()
+    expected = entry.get("bytes")
+    if isinstance(expected, int) and len(data) != expected:
+        raise CheckpointError(
+            f"A checkpoint file has the wrong size (truncated?). Received: file '{path}' for "
+            f"variable '{key}' has {len(data)} bytes, the manifest says {expected}. Restore "
+            f"another checkpoint.")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry["sha256"]:
+        raise CheckpointError(
+            f"A checkpoint file does not match its checksum (corrupted). Received: file "
+            f"'{path}' for variable '{key}' has sha256 {digest[:16]}…, the manifest says "
+            f"{str(entry['sha256'])[:16]}…. Restore another checkpoint.")
+    return _decode(data, path, key, entry)
+
+
+def _decode(data: bytes, path: str, key: str, entry: dict[str, Any]) -> np.ndarray:
+    try:
+        array: np.ndarray = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise CheckpointError(
+            f"A checkpoint file is not a readable .npy array. Received: file '{path}' for "
+            f"variable '{key}': {e}. Restore another checkpoint.") from e
+    name = entry["dtype"]
+    if name in _STORED_AS:
+        import ml_dtypes
+
+        array = array.view(getattr(ml_dtypes, name))
+    if list(array.shape) != list(entry["shape"]) or str(array.dtype) != name:
+        raise CheckpointError(
+            f"A checkpoint array must have the manifest's shape and dtype. Received: file "
+            f"'{path}' for variable '{key}' holds {tuple(array.shape)} {array.dtype}, the "
+            f"manifest says {tuple(entry['shape'])} {name}. Restore another checkpoint.")
+    return array
+
+
+# -- manifest --------------------------------------------------------------------------------
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` so a reader sees the old or the new content, never a mix."""
+    tmp = f"{path}.{os.getpid()}{TMP_SUFFIX}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_manifest(ckpt_dir: str, manifest: dict[str, Any]) -> None:
+    """Writes ``manifest.json`` (adding the format name and version)."""
+    body = {"format": FORMAT, "format_version": VERSION, **manifest}
+    atomic_write_text(os.path.join(ckpt_dir, MANIFEST), json.dumps(body, indent=1, sort_keys=True))
+
+
+def read_manifest(ckpt_dir: str) -> dict[str, Any]:
+    """Reads and checks ``manifest.json`` of a checkpoint directory.
+
+    Raises:
+        CheckpointError: missing, not JSON (e.g. truncated), another format, a newer version, or
+            without a ``variables`` table.
+    """
+    path = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"A checkpoint directory must hold {MANIFEST}. Received: '{ckpt_dir}' has none. "
+            f"Pass a checkpoint written by tfsmp (e.g. CheckpointManager.latest_checkpoint).")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"A checkpoint manifest must be valid JSON. Received: '{path}' does not parse "
+            f"({e}); it is truncated or corrupted. Restore another checkpoint.") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(
+            f"The manifest must be a tfsmp checkpoint manifest. Received: format={got!r} in "
+            f"'{path}'. Pass a directory written by tfsmp.")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > VERSION:
+        raise CheckpointError(
+            f"This tfsmp reads checkpoint format versions up to {VERSION}. Received: "
+            f"format_version={version!r} in '{path}'. Upgrade tfsmp to read it.")
+    missing = [k for k in _REQUIRED if k not in manifest]
+    if missing or not isinstance(manifest["variables"], dict):
+        raise CheckpointError(
+            f"A checkpoint manifest needs the fields {list(_REQUIRED)}. Received: '{path}' lacks "
+            f"{missing or ['a variables table']}. Restore another checkpoint.")
+    return manifest
+
+
+# -- directories of checkpoints ---------------------------------------------------------------
+
+def checkpoint_number(name: str, prefix: str) -> int | None:
+    """N for a directory named ``<prefix>-N``, else None."""
+    m = re.fullmatch(re.escape(prefix) + r"-(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(root: str, prefix: str) -> list[str]:
+    """Complete checkpoints ``<root>/<prefix>-N`` (with a manifest), oldest (lowest N) first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        n = checkpoint_number(name, prefix)
+        if n is not None and os.path.isfile(os.path.join(root, name, MANIFEST)):
+            found.append((n, os.path.join(root, name)))
+    return [path for _, path in sorted(found)]
+
+
+def read_latest(root: str, prefix: str) -> str | None:
+    """The checkpoint ``latest`` names if it is complete, else the highest complete one."""
+    pointer = os.path.join(root, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            name = f.read().strip()
+        path = os.path.join(root, name)
+        if (checkpoint_number(name, prefix) is not None
+                and os.path.isfile(os.path.join(path, MANIFEST))):
+            return path
+    complete = list_checkpoints(root, prefix)
+    return complete[-1] if complete else None
+
+
+def write_latest(root: str, name: str) -> None:
+    atomic_write_text(os.path.join(root, LATEST), name + "\n")
+
+
+def resolve(root: str, prefix: str, restore_prefix: str | None) -> str | None:
+    """The checkpoint directory for ``restore_prefix`` (a name, a path, or None for the latest).
+
+    Raises:
+        CheckpointError: ``restore_prefix`` names no complete checkpoint.
+    """
+    if restore_prefix is None:
+        return read_latest(root, prefix)
+    candidates = [str(restore_prefix), os.path.join(root, str(restore_prefix))]
+    for path in candidates:
+        if os.path.isfile(os.path.join(path, MANIFEST)):
+            return path
+    names = [os.path.basename(p) for p in list_checkpoints(root, prefix)]
+    raise CheckpointError(
+        f"restore_prefix must name a complete checkpoint. Received: restore_prefix="
+        f"{restore_prefix!r}; '{root}' holds {names or 'no checkpoints'}. Pass one of those, "
+        f"or None for the latest.")
+
+
+def begin(root: str, name: str) -> str:
+    """Creates an empty ``<root>/<name>.tmp`` (removing a stale one) and returns it."""
+    tmp = os.path.join(root, name + TMP_SUFFIX)
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    return tmp
+
+
+def commit(tmp: str, final: str) -> None:
+    """Moves a finished ``tmp`` directory to ``final`` in one rename (replacing ``final``)."""
+    for dirpath, _, _ in os.walk(tmp):
+        _fsync_dir(dirpath)
+    old = None
+    if os.path.exists(final):  # rename cannot replace a non-empty directory: move it aside first
+        old = f"{final}.old{TMP_SUFFIX}"
+        if os.path.exists(old):
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(os.path.abspath(final)))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(root: str, prefix: str, max_to_keep: int | None, keep: str | None = None) -> list[str]:
+    """Deletes the oldest complete checkpoints beyond ``max_to_keep`` (never ``keep``) and any
+    leftover ``.tmp`` directories; returns the deleted paths."""
+    deleted: list[str] = []
+    if max_to_keep is not None:
+        complete = list_checkpoints(root, prefix)
+        for path in complete[:max(len(complete) - max_to_keep, 0)]:
+            if keep is None or os.path.abspath(path) != os.path.abspath(keep):
+                shutil.rmtree(path, ignore_errors=True)
+                deleted.append(path)
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        stem = name[:-len(TMP_SUFFIX)] if name.endswith(TMP_SUFFIX) else ""
+        if stem and checkpoint_number(stem.removesuffix(".old"), prefix) is not None:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return deleted

@@ -1,0 +1,181 @@
+"""Which variables a checkpoint holds, under which keys, and which rank reads or writes each.
+
+Example::
+
+    layout = Layout.of(dm)                       # after partitioning
+    layout.keys[id(v)]                           # "d0/kernel": layer name / weight name
+    layout.held                                  # keys this rank's stages hold
+    layout.writes                                # keys this rank writes (one writer per key)
+    slots, globals_ = optimizer_state(dm.optimizer, layout)
+    slots[("d0/kernel", "momentum")]             # Adam's first moment of d0/kernel
+
+[Note: variable keys] A checkpoint key is ``<layer>/<weight>``: the name of the leaf layer that
+owns the variable (a layer whose ``variables`` contain it, else the first call that reads it),
+then the variable's path below that layer, or its name when its path does not start with the
+layer (a Dropout's seed-generator state is ``seed_generator_7/seed_generator_state``, a number
+from a process-wide counter; its key is ``dropout/seed_generator_state``). Keys repeat only in
+odd models; the second is suffixed ``#1`` and so on, in execution order. Keys depend only on the
+model, never on stages or ranks, so a checkpoint written under one partitioning reads under any.
+
+[Note: slot keys] Keras 3 names an optimizer slot ``<model variable path with / -> _>_<slot>``
+(``add_variable_from_reference``), e.g. ``d0_kernel_momentum``. A slot is keyed by
+(model key, slot name), found by the longest model-variable prefix of the same shape; the
+optimizer's iteration count and learning rate are global (the same on every rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import keras
+
+from tfsmp.errors import CheckpointError
+
+__all__ = ["Layout", "optimizer_state", "variable_keys"]
+
+
+def _owner_layers(traced: Any) -> list[tuple[Any, str]]:
+    """(variable, owning leaf layer name) for every variable the traced calls read, each once."""
+    order: list[str] = []
+    for call in traced.calls:
+        if call.layer_name not in order:
+            order.append(call.layer_name)
+    seen: set[int] = set()
+    out: list[tuple[Any, str]] = []
+    for name in order:  # first pass: the layer that owns it as a variable
+        layer = traced.layer(name)
+        if isinstance(layer, keras.layers.Layer):
+            for v in layer.variables:
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    out.append((v, name))
+    for name in order:  # then variables only read (e.g. by a keras.ops call)
+        for v in traced.uses.get(name, ()):
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append((v, name))
+    return out
+
+
+def variable_keys(traced: Any) -> dict[int, str]:
+    """``{id(variable): key}`` for every variable of a traced model. See [Note: variable keys]."""
+    keys: dict[int, str] = {}
+    used: dict[str, int] = {}
+    for v, layer in _owner_layers(traced):
+        path = str(v.path)
+        rel = path[len(layer) + 1:] if path.startswith(layer + "/") else str(v.name)
+        key = f"{layer}/{rel}"
+        count = used.get(key, 0)
+        used[key] = count + 1
+        keys[id(v)] = key if count == 0 else f"{key}#{count}"
+    return keys
+
+
+@dataclass
+class Layout:
+    """Every checkpointed model variable of a partitioned model, with its key and stage."""
+
+    keys: dict[int, str]                    # id(variable) -> key
+    variables: dict[str, Any]               # key -> variable (held or not)
+    stage: dict[str, int]                   # key -> stage
+    held: list[str] = field(default_factory=list)    # keys this rank holds (its stages)
+    writes: list[str] = field(default_factory=list)  # keys this rank writes
+
+    @classmethod
+    def of(cls, dm: Any) -> Layout:
+        """The layout of a partitioned `DistributedModel` (its engine must exist)."""
+        engine = dm._engine
+        traced, plan = engine.traced, engine.plan
+        keys = variable_keys(traced)
+        variables: dict[str, Any] = {}
+        stage: dict[str, int] = {}
+        for s in range(plan.num_stages):
+            for v in traced.variables_of(plan.layers(s)):
+                key = keys[id(v)]
+                variables.setdefault(key, v)
+                stage.setdefault(key, s)  # co-location puts a shared variable in one stage
+        mine = {keys[id(v)] for s in engine.stages
+                for v in traced.variables_of(plan.layers(s))}
+        held = [k for k in variables if k in mine]
+        writer = engine.comm.data.rank == 0
+        writes = [k for k in held if writer and stage[k] % engine.num_ranks == engine.pipe_rank]
+        return cls(keys, variables, stage, held, writes)
+
+    def held_variables(self) -> dict[str, Any]:
+        return {k: self.variables[k] for k in self.held}
+
+
+def _global_ids(optimizer: Any) -> set[int]:
+    ids = {id(getattr(optimizer, "_iterations", None))}
+    lr = getattr(optimizer, "_learning_rate", None)
+    if isinstance(lr, keras.Variable):
+        ids.add(id(lr))
+    return ids
+
+
+def optimizer_state(optimizer: Any, layout: Layout
+                    ) -> tuple[dict[tuple[str, str], Any], dict[str, Any]]:
+    """This rank's optimizer variables: ``{(model key, slot): var}`` and ``{name: var}`` globals.
+
+    See [Note: slot keys].
+
+    Raises:
+        CheckpointError: a non-scalar optimizer variable matches no model variable, or two
+            optimizer variables map to one key.
+    """
+    refs = getattr(optimizer, "_trainable_variables", None) or [
+        layout.variables[k] for k in layout.held]
+    prefixes = sorted(((str(v.path).replace("/", "_") + "_", v) for v in refs
+                       if id(v) in layout.keys), key=lambda p: -len(p[0]))
+    glob = _global_ids(optimizer)
+    slots: dict[tuple[str, str], Any] = {}
+    globals_: dict[str, Any] = {}
+    for ov in optimizer.variables:
+        name = str(ov.name)
+        ref = None if id(ov) in glob else _reference(name, ov, prefixes)
+        if ref is None:
+            if id(ov) not in glob and len(ov.shape) > 0:
+                raise CheckpointError(
+                    f"Every optimizer variable must belong to a model variable (named "
+                    f"<variable path>_<slot>) or be a scalar. Received: optimizer variable "
+                    f"'{ov.path}' of shape {tuple(ov.shape)}. Fix: use a Keras optimizer whose "
+                    f"slots are created with add_variable_from_reference.")
+            _put(globals_, name, ov, "optimizer variable")
+            continue
+        prefix, v = ref
+        _put(slots, (layout.keys[id(v)], name[len(prefix):]), ov, "optimizer slot")
+    return slots, globals_
+
+
+def _reference(name: str, ov: Any, prefixes: list[tuple[str, Any]]) -> tuple[str, Any] | None:
+    for prefix, v in prefixes:
+        if name.startswith(prefix) and tuple(ov.shape) == tuple(v.shape):
+            return prefix, v
+    return None
+
+
+def _put(table: dict[Any, Any], key: Any, value: Any, what: str) -> None:
+    if key in table:
+        raise CheckpointError(
+            f"Each {what} must have a distinct name. Received: two named {key!r}. Fix: give "
+            f"the layers distinct names.")
+    table[key] = value
+
+
+def resolve_sagemaker_path(path: str) -> str:
+    """A path under ``/opt/ml`` as a job sees it: inside a local SageMaker-style job (the
+    estimator sets ``SAGEMAKER_BASE_DIR``, ``SM_MODEL_DIR``, ``TFSMP_CHECKPOINT_DIR``) the job
+    directory stands for ``/opt/ml``, so SMP scripts that rely on the default paths write into
+    the job; elsewhere the path is returned unchanged."""
+    import os
+
+    norm = path.rstrip("/")
+    if norm == "/opt/ml/checkpoints" and os.environ.get("TFSMP_CHECKPOINT_DIR"):
+        return os.environ["TFSMP_CHECKPOINT_DIR"]
+    if norm == "/opt/ml/model" and os.environ.get("SM_MODEL_DIR"):
+        return os.environ["SM_MODEL_DIR"]
+    base = os.environ.get("SAGEMAKER_BASE_DIR")
+    if base and (norm == "/opt/ml" or norm.startswith("/opt/ml/")):
+        return os.path.join(base, norm[len("/opt/ml/"):]) if norm != "/opt/ml" else base
+    return path

@@ -1,0 +1,181 @@
+"""`CheckpointManager`: SMP's checkpoint API over partition-independent, atomic checkpoints.
+
+Example::
+
+    ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=tf.Variable(0))
+    manager = smp.CheckpointManager(ckpt, directory="/opt/ml/checkpoints", max_to_keep=3)
+    manager.restore()                      # latest, if any; at step 0 it applies after partitioning
+    for step, (x, y) in enumerate(data):
+        train_step(x, y)
+        if step % 100 == 0:
+            manager.save()                 # every rank calls; returns ".../ckpt-N"
+
+Unlike SMP (one TF checkpoint per ``mp_rank_<i>`` that restores only under the same
+partitioning), a checkpoint here is keyed by variable path ([Note: checkpoint layout] in
+`tfsmp.checkpoint.format`): written with p stages and d replicas, it restores into q stages and
+e replicas, each rank reading only its own variables.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import keras
+
+from tfsmp.checkpoint import format as fmt
+from tfsmp.checkpoint import store
+from tfsmp.errors import CheckpointError
+
+__all__ = ["CheckpointManager"]
+
+
+def _children(checkpoint: Any) -> dict[str, Any]:
+    """The objects a ``tf.train.Checkpoint`` (or a plain dict) was built with, by name."""
+    if isinstance(checkpoint, dict):
+        return dict(checkpoint)
+    children = getattr(checkpoint, "_trackable_children", None)
+    if children is None:
+        raise TypeError(
+            f"CheckpointManager takes a tf.train.Checkpoint(model=..., optimizer=...). "
+            f"Received: {type(checkpoint).__name__}.")
+    return {k: v for k, v in children().items() if k != "save_counter"}
+
+
+def _split(checkpoint: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """(DistributedModel, optimizer or None, {name: extra variable})."""
+    from tfsmp.keras.model import DistributedModel
+
+    model, optimizer, extras = None, None, {}
+    for name, obj in _children(checkpoint).items():
+        if isinstance(obj, DistributedModel):
+            if model is not None:
+                raise CheckpointError(
+                    f"A checkpoint holds one DistributedModel. Received: a second one, "
+                    f"{name!r}. Use one CheckpointManager per model.")
+            model = obj
+        elif isinstance(obj, keras.optimizers.Optimizer):
+            optimizer = obj
+        elif isinstance(obj, keras.Variable) or _is_tf_variable(obj):
+            extras[name] = obj
+        else:
+            raise CheckpointError(
+                f"A tfsmp checkpoint holds a DistributedModel, its optimizer and variables. "
+                f"Received: {name}={type(obj).__name__}. Store Python values in a tf.Variable.")
+    if model is None:
+        raise CheckpointError(
+            "The checkpoint must hold a DistributedModel. Received: none among "
+            f"{sorted(_children(checkpoint))}. Pass tf.train.Checkpoint(model=dm, optimizer=opt).")
+    return model, optimizer, extras
+
+
+def _is_tf_variable(obj: Any) -> bool:
+    import tensorflow as tf
+
+    return isinstance(obj, tf.Variable)
+
+
+class CheckpointManager:
+    """Saves and restores a `DistributedModel`'s training state. See the module docstring.
+
+    Args:
+        checkpoint: ``tf.train.Checkpoint(model=dm, optimizer=opt, **variables)``.
+        directory: Where checkpoints go (shared by every rank).
+        max_to_keep: Keep at most this many checkpoints (None: all).
+        checkpoint_name: Checkpoints are ``<directory>/<checkpoint_name>-<N>``.
+    """
+
+    def __init__(self, checkpoint: Any, directory: str = "/opt/ml/checkpoints",
+                 max_to_keep: int | None = None, checkpoint_name: str = "ckpt") -> None:
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise ValueError(f"max_to_keep must be a positive integer or None. Received: "
+                             f"max_to_keep={max_to_keep!r}")
+        self._checkpoint = checkpoint
+        self._model, self._optimizer, self._extras = _split(checkpoint)
+        from tfsmp.checkpoint.layout import resolve_sagemaker_path
+
+        self._directory = resolve_sagemaker_path(os.fspath(directory))
+        self._max_to_keep = max_to_keep
+        self._name = checkpoint_name
+
+    @property
+    def checkpoint(self) -> Any:
+        return self._checkpoint
+
+    @property
+    def directory(self) -> str:
+        return self._directory
+
+    @property
+    def max_to_keep(self) -> int | None:
+        return self._max_to_keep
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """Complete checkpoints in the directory, oldest first."""
+        return fmt.list_checkpoints(self._directory, self._name)
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The newest complete checkpoint (what ``latest`` names), or None."""
+        return fmt.read_latest(self._directory, self._name)
+
+    def _next_number(self) -> int:
+        numbers = [fmt.checkpoint_number(os.path.basename(p), self._name) or 0
+                   for p in self.checkpoints]
+        return max(numbers, default=0) + 1
+
+    def save(self, checkpoint_number: int | None = None, position: dict[str, Any] | None = None
+             ) -> str:
+        """Writes ``<directory>/<checkpoint_name>-<N>``; every rank calls it.
+
+        Args:
+            checkpoint_number: N (default: one more than the highest existing).
+            position: The training position to record, e.g. ``{"epoch": 2, "step": 0}``.
+
+        Returns:
+            The checkpoint's path (on every rank).
+        """
+        dm = self._model
+        st = dm._state if dm._state is not None else dm._runtime_state()
+        number = checkpoint_number
+        if number is None:
+            number = st.comm.world.bcast_obj(self._next_number(), root=0)
+        return store.save_state(dm, self._directory, f"{self._name}-{int(number)}",
+                                optimizer=self._optimizer, extras=self._extras,
+                                position=position, max_to_keep=self._max_to_keep,
+                                prefix=self._name)
+
+    def restore(self, restore_prefix: str | None = None) -> str | None:
+        """Restores ``restore_prefix`` (a name like ``"ckpt-2"`` or a path; None: the latest).
+
+        Every rank calls it. Before the model is partitioned (e.g. at step 0) the restore is
+        applied right after partitioning, before the first step runs.
+
+        Returns:
+            The checkpoint's path, or None when there is none to restore.
+
+        Raises:
+            CheckpointError: ``restore_prefix`` names no checkpoint, or the checkpoint is bad
+                (raised before any variable changes).
+        """
+        path = fmt.resolve(self._directory, self._name, restore_prefix)
+        if path is None:
+            return None
+        self.restore_path(path)
+        return path
+
+    def restore_path(self, path: str) -> dict[str, Any] | None:
+        """Restores the checkpoint at ``path``; returns its manifest (None if deferred)."""
+        from tfsmp.checkpoint import export
+
+        dm = self._model
+
+        def apply(model: Any) -> None:
+            store.restore_state(model, path, optimizer=self._optimizer, extras=self._extras)
+
+        if dm._engine is None:
+            fmt.read_manifest(path)  # fail now, not at the first step, if it is unreadable
+            export.defer(dm, apply)
+            return None
+        return store.restore_state(dm, path, optimizer=self._optimizer, extras=self._extras)

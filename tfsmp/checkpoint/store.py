@@ -1,0 +1,417 @@
+"""Collective save and restore of a partitioned model's full training state.
+
+Example::
+
+    path = save_state(dm, "/ckpts", "ckpt-3", optimizer=dm.optimizer, extras={"epoch": v},
+                      position={"epoch": 1, "step": 0})           # every rank calls
+    manifest = restore_state(dm, path, optimizer=dm.optimizer, extras={"epoch": v})
+
+Saving, roughly (see [Note: checkpoint layout] in `format`):
+    world rank 0: create <root>/ckpt-3.tmp                        -> bcast its name
+    writers (data rank 0 of each pipeline rank): write their stages' variables and slots
+    world rank 0 also: optimizer globals, extras, the random-generator state
+    allgather entries and errors -> rank 0: manifest.json, rename .tmp -> ckpt-3, `latest`, prune
+Restoring: rank 0 reads the manifest and broadcasts it; each rank reads and verifies only the
+arrays it holds; errors are gathered from every rank and raised on all of them before any
+variable is assigned, so a bad checkpoint changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+
+from tfsmp.checkpoint import format as fmt
+from tfsmp.checkpoint.layout import Layout, optimizer_state
+from tfsmp.errors import CheckpointError
+
+__all__ = ["last_read", "restore_state", "save_state"]
+
+_TOKEN = ".tfsmp-writers"
+_LAST_READ: list[str] = []  # keys this process read in its last restore (tests check partial reads)
+
+
+def last_read() -> list[str]:
+    """The keys this process read in its most recent `restore_state` (model, slot, global)."""
+    return list(_LAST_READ)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def _numpy(v: Any) -> np.ndarray:
+    value = v.value if isinstance(v, keras.Variable) else v
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def _dtype(v: Any) -> str:
+    return str(keras.backend.standardize_dtype(v.dtype))
+
+
+def _agree(world: Any, errors: list[str]) -> None:
+    """Raises the same CheckpointError on every rank if any rank reported an error."""
+    everyone = [e for part in world.allgather_obj(errors) for e in part]
+    if everyone:
+        more = f" (and {len(everyone) - 1} more problems)" if len(everyone) > 1 else ""
+        raise CheckpointError(everyone[0] + more)
+
+
+def _try(errors: list[str], fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except CheckpointError as e:
+        errors.append(str(e))
+    except OSError as e:
+        errors.append(f"A checkpoint file could not be accessed. Received: {e}. Check the "
+                      f"directory and its permissions.")
+    except Exception as e:  # any failure must reach every rank, or the others wait forever
+        errors.append(f"{type(e).__name__}: {e}")
+    return None
+
+
+def _require_engine(dm: Any, what: str) -> Any:
+    if dm._engine is None:
+        raise CheckpointError(
+            f"{what} needs the partitioned model. Received: a DistributedModel that has not run "
+            f"a step yet. Fix: call it after the first step (or after model.partition(x)); "
+            f"CheckpointManager.restore and load_weights may be called earlier and apply then.")
+    return dm._engine
+
+
+def rng_state() -> dict[str, Any]:
+    """Python's and NumPy's global random states, JSON-serializable."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {"python": [version, list(internal), gauss],
+            "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _keras_seed_state() -> Any:
+    """The state variable of keras.random's global SeedGenerator, if one was created."""
+    from keras.src.backend.common import global_state
+
+    gen = global_state.get_global_attribute("global_seed_generator")
+    return None if gen is None else gen.state
+
+
+# -- save ---------------------------------------------------------------------------------------
+
+def _tables(dm: Any, optimizer: Any, extras: dict[str, Any]
+            ) -> tuple[Layout, dict[tuple[str, str], Any], dict[str, Any], dict[str, Any]]:
+    layout = Layout.of(dm)
+    slots: dict[tuple[str, str], Any] = {}
+    globals_: dict[str, Any] = {}
+    if optimizer is not None and optimizer.built:
+        slots, globals_ = optimizer_state(optimizer, layout)
+    return layout, slots, globals_, extras
+
+
+def _write_mine(tmp: str, layout: Layout, slots: dict[tuple[str, str], Any],
+                globals_: dict[str, Any], extras: dict[str, Any], rank: int, globals_rank: int
+                ) -> dict[str, dict[str, Any]]:
+    """Writes this rank's arrays; returns their manifest entries by section (with the writer).
+
+    ``globals_rank`` writes the optimizer's global values (a rank whose stages train nothing
+    never builds its optimizer); world rank 0 writes the extras and the random state."""
+    out: dict[str, dict[str, Any]] = {"variables": {}, "slots": {}, "optimizer": {},
+                                      "extras": {}, "rng": {}}
+    writes = set(layout.writes)
+    for key in layout.writes:
+        v = layout.variables[key]
+        out["variables"][key] = fmt.write_array(tmp, fmt.array_file("model", key), _numpy(v),
+                                                _dtype(v))
+    for (key, slot), v in slots.items():
+        if key in writes:
+            name = f"{key}/{slot}"
+            out["slots"][name] = fmt.write_array(tmp, fmt.array_file("slots", name), _numpy(v),
+                                                 _dtype(v))
+    if rank == globals_rank:
+        for name, v in globals_.items():
+            out["optimizer"][name] = fmt.write_array(tmp, fmt.array_file("optimizer", name),
+                                                     _numpy(v), _dtype(v))
+    if rank == 0:
+        for name, v in extras.items():
+            out["extras"][name] = fmt.write_array(tmp, fmt.array_file("extras", name),
+                                                  _numpy(v), _dtype(v))
+        seed = _keras_seed_state()
+        if seed is not None:
+            out["rng"]["keras"] = fmt.write_array(tmp, fmt.array_file("rng", "keras"),
+                                                  _numpy(seed), _dtype(seed))
+    for entries in out.values():
+        for entry in entries.values():
+            entry["rank"] = rank
+    return out
+
+
+def _model_info(dm: Any) -> dict[str, Any]:
+    from tfsmp.checkpoint.keras_h5 import model_config
+
+    source = dm._source_model()
+    config, reason = model_config(source)
+    return {"name": source.name, "class": type(source).__name__, "config": config,
+            "config_unavailable": reason}
+
+
+def _manifest(dm: Any, name: str, parts: list[dict[str, dict[str, Any]]], optimizer: Any,
+              steps: list[int | None], position: dict[str, Any] | None, layout: Layout
+              ) -> dict[str, Any]:
+    engine, st = dm._engine, dm._state
+    merged: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for section, entries in part.items():
+            merged.setdefault(section, {}).update(entries)
+    known = [s for s in steps if s is not None]
+    step = max(known) if known else None
+    return {
+        "name": name, "step": step, "position": position, "created": time.time(),
+        "config": st.config.to_dict(), "plan": json.loads(engine.plan.to_json()),
+        "topology": {"world_size": st.topology.world_size, "partitions": st.topology.partitions,
+                     "placement": st.topology.placement, "dp_size": engine.dp_size},
+        "stages": {k: layout.stage[k] for k in layout.variables},
+        "model": _model_info(dm),
+        "optimizer_info": None if optimizer is None else {
+            "class": type(optimizer).__name__, "built": step is not None},
+        "rng_state": rng_state(),
+        "versions": _versions(),
+        **{k: merged.get(k, {}) for k in ("variables", "slots", "optimizer", "extras", "rng")},
+    }
+
+
+def _versions() -> dict[str, str]:
+    import tensorflow as tf
+
+    import tfsmp
+
+    return {"tfsmp": tfsmp.__version__, "keras": keras.__version__, "tensorflow": tf.__version__}
+
+
+def _prepare(world: Any, root: str, name: str) -> str:
+    """Rank 0 creates the temporary directory; every rank checks it sees the same one."""
+    made: tuple[str, str] | str
+    if world.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            tmp = fmt.begin(root, name)
+            token = secrets.token_hex(8)
+            with open(os.path.join(tmp, _TOKEN), "w") as f:
+                f.write(token)
+            made = (tmp, token)
+        except OSError as e:
+            made = (f"The checkpoint directory must be writable. Received: {root!r} ({e}). "
+                    f"Pass a writable directory=.")
+    else:
+        made = ""
+    made = world.bcast_obj(made, root=0)
+    if isinstance(made, str):
+        raise CheckpointError(made)
+    tmp, token = made
+    errors: list[str] = []
+    path = os.path.join(tmp, _TOKEN)
+    seen = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            seen = f.read()
+    if seen != token:
+        errors.append(
+            f"Every rank must see the checkpoint directory on a shared filesystem. Received: "
+            f"rank {world.rank} does not see '{tmp}' that rank 0 created. Fix: put directory= "
+            f"on storage every host mounts (e.g. FSx, EFS, NFS).")
+    _agree(world, errors)
+    return str(tmp)
+
+
+def save_state(dm: Any, root: str, name: str, *, optimizer: Any = None,
+               extras: dict[str, Any] | None = None, position: dict[str, Any] | None = None,
+               max_to_keep: int | None = None, prefix: str | None = None) -> str:
+    """Writes checkpoint ``<root>/<name>`` from every rank (a collective call); returns its path.
+
+    Args:
+        dm: The partitioned `DistributedModel`.
+        root: Directory holding the checkpoints (shared by every rank).
+        name: The checkpoint's directory name, ``<prefix>-N``.
+        optimizer: The optimizer whose slots and iteration count are saved (None: none).
+        extras: Further variables by name (``tf.Variable`` or ``keras.Variable``), saved from
+            world rank 0.
+        position: The training position, e.g. ``{"epoch": 2, "step": 0}``.
+        max_to_keep: Keep at most this many checkpoints of ``prefix`` (None: all).
+        prefix: The checkpoint name prefix (for ``latest`` and pruning); default: ``name``'s.
+
+    Raises:
+        CheckpointError: before the first step, or a rank could not write (on every rank).
+    """
+    engine = _require_engine(dm, "Saving a checkpoint")
+    world = engine.comm.world
+    layout, slots, globals_, extra = _tables(dm, optimizer, dict(extras or {}))
+    built = optimizer is not None and optimizer.built
+    steps = world.allgather_obj(int(_numpy(optimizer.iterations)) if built else None)
+    # The optimizer of a rank whose stages train nothing is never applied, so its count lags.
+    known = [s for s in steps if s is not None]
+    globals_rank = steps.index(max(known)) if known else 0
+    tmp = _prepare(world, root, name)
+    errors: list[str] = []
+    part = _try(errors, functools.partial(_write_mine, tmp, layout, slots, globals_, extra,
+                                          world.rank, globals_rank)) or {}
+    gathered = world.allgather_obj((part, errors))
+    failed = [e for _, errs in gathered for e in errs]
+    result: str | None = None
+    if world.rank == 0:
+        result = _finish(dm, root, name, tmp, [p for p, _ in gathered], failed,
+                         (optimizer, steps), position, max_to_keep,
+                         prefix or name.rsplit("-", 1)[0], layout)
+    outcome = world.bcast_obj(result, root=0)
+    if not isinstance(outcome, str) or outcome.startswith("ERROR:"):
+        raise CheckpointError(str(outcome)[len("ERROR:"):])
+    return outcome
+
+
+def _finish(dm: Any, root: str, name: str, tmp: str, parts: list[Any], failed: list[str],
+            optimizer_steps: tuple[Any, list[int | None]], position: dict[str, Any] | None,
+            max_to_keep: int | None, prefix: str, layout: Layout) -> str:
+    import shutil
+
+    if failed:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return "ERROR:" + failed[0]
+    try:
+        os.remove(os.path.join(tmp, _TOKEN))
+        optimizer, steps = optimizer_steps
+        fmt.write_manifest(tmp, _manifest(dm, name, parts, optimizer, steps, position, layout))
+        final = os.path.join(root, name)
+        fmt.commit(tmp, final)
+        fmt.write_latest(root, name)
+        fmt.prune(root, prefix, max_to_keep, keep=final)
+    except Exception as e:  # reported on every rank, not only here
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"ERROR:The checkpoint could not be committed. Received: {type(e).__name__}: {e}."
+    return final
+
+
+# -- restore ------------------------------------------------------------------------------------
+
+def _read_manifest_everywhere(world: Any, path: str) -> dict[str, Any]:
+    got: Any
+    if world.rank == 0:
+        try:
+            got = fmt.read_manifest(path)
+        except CheckpointError as e:
+            got = "ERROR:" + str(e)
+    else:
+        got = None
+    got = world.bcast_obj(got, root=0)
+    if isinstance(got, str):
+        raise CheckpointError(got[len("ERROR:"):])
+    return dict(got)
+
+
+def _check_shape(key: str, entry: Any, v: Any, path: str) -> None:
+    shape = tuple(entry.get("shape", ())) if isinstance(entry, dict) else None
+    if shape != tuple(v.shape):
+        file = entry.get("file") if isinstance(entry, dict) else "?"
+        raise CheckpointError(
+            f"A checkpoint variable must have the model variable's shape. Received: "
+            f"'{key}' has shape {shape} in file '{os.path.join(path, str(file))}', the model's "
+            f"is {tuple(v.shape)}. Fix: restore into the same architecture.")
+
+
+def _missing(key: str, what: str, path: str) -> str:
+    return (f"Every {what} of the model must be in the checkpoint. Received: '{key}' is missing "
+            f"from {os.path.join(path, fmt.MANIFEST)}. Fix: restore a checkpoint of this model "
+            f"(same layer names).")
+
+
+def _plan_reads(manifest: dict[str, Any], path: str, wanted: list[tuple[str, dict[str, Any], str]],
+                errors: list[str]) -> list[tuple[str, Any, Any]]:
+    """(key, manifest entry, variable) for every array this rank must read; problems go to
+    ``errors``. ``wanted`` lists (manifest section, {key: variable}, what to call a key)."""
+    reads: list[tuple[str, Any, Any]] = []
+    for section, table_wanted, what in wanted:
+        table = manifest.get(section) or {}
+        for key, v in table_wanted.items():
+            if key not in table:
+                errors.append(_missing(key, what, path))
+                continue
+            try:
+                _check_shape(key, table[key], v, path)
+            except CheckpointError as e:
+                errors.append(str(e))
+                continue
+            reads.append((key, table[key], v))
+    return reads
+
+
+def _wanted(manifest: dict[str, Any], layout: Layout, slots: dict[tuple[str, str], Any],
+            globals_: dict[str, Any], extras: dict[str, Any]
+            ) -> list[tuple[str, dict[str, Any], str]]:
+    wanted: list[tuple[str, dict[str, Any], str]] = [
+        ("variables", layout.held_variables(), "variable"),
+        ("optimizer", globals_, "optimizer variable"),
+        ("extras", extras, "checkpointed object")]
+    if slots and (manifest.get("optimizer_info") or {}).get("built", False):
+        wanted.append(("slots", {f"{k}/{s}": v for (k, s), v in slots.items()}, "optimizer slot"))
+    seed = _keras_seed_state()
+    if seed is not None and "keras" in (manifest.get("rng") or {}):
+        wanted.append(("rng", {"keras": seed}, "random-generator state"))
+    return wanted
+
+
+def _unexpected(manifest: dict[str, Any], layout: Layout, path: str) -> list[str]:
+    extra = sorted(set(manifest["variables"]) - set(layout.variables))
+    if not extra:
+        return []
+    return [f"A checkpoint must hold only variables of the model. Received: {len(extra)} "
+            f"variables the model lacks, e.g. '{extra[0]}', in "
+            f"{os.path.join(path, fmt.MANIFEST)}. Fix: restore a checkpoint of this model."]
+
+
+def restore_state(dm: Any, path: str, *, optimizer: Any = None,
+                  extras: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Restores checkpoint ``path`` into the partitioned model (a collective call).
+
+    Each rank reads only the arrays of its own stages (and their slots). Every problem on any
+    rank raises the same `CheckpointError` on every rank before a variable is assigned.
+
+    Returns:
+        The checkpoint's manifest (``position``, ``step``, ...).
+    """
+    engine = _require_engine(dm, "Restoring a checkpoint")
+    world = engine.comm.world
+    manifest = _read_manifest_everywhere(world, path)
+    layout = Layout.of(dm)
+    errors: list[str] = []
+    slots: dict[tuple[str, str], Any] = {}
+    globals_: dict[str, Any] = {}
+    if optimizer is not None:
+        if not optimizer.built:  # slots must exist to receive their values
+            optimizer.build(engine.variables)
+        slots, globals_ = _try(errors, lambda: optimizer_state(optimizer, layout)) or ({}, {})
+    if world.rank == 0:
+        errors += _unexpected(manifest, layout, path)
+    reads = _plan_reads(manifest, path, _wanted(manifest, layout, slots, globals_,
+                                                dict(extras or {})), errors)
+    values = [(key, v, _try(errors, functools.partial(fmt.read_array, path, key, entry)))
+              for key, entry, v in reads]
+    _agree(world, errors)
+    _LAST_READ[:] = [key for key, _, _ in values]
+    for _, v, array in values:
+        v.assign(array)
+    state = manifest.get("rng_state")
+    if isinstance(state, dict):
+        set_rng_state(state)
+    return manifest
