@@ -204,9 +204,35 @@ def run_mpi(np: int, argv: Sequence[str | os.PathLike[str]], *,
         rank_stderr={r: "\n".join(lines) + "\n" for r, lines in sorted(stderr_ranks.items())})
 
 
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (from /proc), including ones in other process groups:
+    Open MPI's prterun gives each rank a process group of its own."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """Kills the launcher and every rank under it, so a timed-out job leaves nothing behind."""
+    victims = _descendants(proc.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def run_cases(np: int, module_path: str | os.PathLike[str], case_names: Iterable[str], *,

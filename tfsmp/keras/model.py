@@ -351,12 +351,19 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             callbacks, add_history=True, add_progbar=bool(verbose) and self._state.rank == 0,
             model=self, verbose=verbose, epochs=epochs, steps=source.num_batches)
         self.stop_training = False
+        self._prepare_checkpoint_dirs(cb)
         cb.on_train_begin()
+        # tfsmp.checkpoint.BackupAndRestore sets where an interrupted fit stopped (as Keras's does)
+        initial_epoch = getattr(self, "_initial_epoch", None) or initial_epoch
+        skip = getattr(self, "_initial_step", 0) or 0
+        self._initial_epoch, self._initial_step = None, 0
         logs: dict[str, float] = {}
         for epoch in range(initial_epoch, epochs):
             self._reset_metrics()
             cb.on_epoch_begin(epoch)
             for step, (xb, yb, wb) in enumerate(source.epoch(epoch)):
+                if epoch == initial_epoch and step < skip:
+                    continue
                 cb.on_train_batch_begin(step)
                 engine = self._ensure_engine(xb)
                 logs = self._train_batch(engine, xb, yb, wb)
@@ -374,6 +381,19 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
                 break
         cb.on_train_end(logs)
         return self.history
+
+    def _prepare_checkpoint_dirs(self, cb: Any) -> None:
+        """Creates ModelCheckpoint folders on rank 0 first: ranks racing Keras's makedirs would
+        otherwise fail on one rank while the others wait in the collective save."""
+        import os
+
+        if self._state.rank == 0:
+            for c in cb.callbacks:
+                if isinstance(c, keras.callbacks.ModelCheckpoint):
+                    folder = os.path.dirname(str(c.filepath))
+                    if folder and "{" not in folder:
+                        os.makedirs(folder, exist_ok=True)
+        self._state.comm.world.barrier()
 
     # -- inference -----------------------------------------------------------------------------
 

@@ -212,8 +212,27 @@ class Engine:
 
     # -- reduction and optimizer ---------------------------------------------------------------
 
+    def _sync_statistics(self, stage: int) -> None:
+        """Averages the stage's floating non-trainable variables (BatchNormalization moving
+        statistics) over its replicas, so every replica keeps the same copy (each updated them
+        from its own share of the batch)."""
+        stats = [v for v in self.programs[stage].non_trainable
+                 if np.dtype(v.dtype).kind == "f"]
+        if not stats:
+            return
+        flat = np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in stats])
+        self.comm.data.allreduce_(flat)
+        flat /= self.dp_size
+        offset = 0
+        for v in stats:
+            n = int(np.prod(v.shape))
+            v.assign(flat[offset:offset + n].reshape(v.shape).astype(v.dtype))
+            offset += n
+
     def _reduce(self, stage: int) -> None:
         prog = self.programs[stage]
+        if self.dp_size > 1:
+            self._sync_statistics(stage)
         accs = [a for i, a in enumerate(prog.accumulators) if i not in prog.sparse_parts]
         if self.dp_size == 1 or not prog.accumulators:
             return

@@ -188,3 +188,24 @@ def case_mixed_precision(ctx: object) -> dict[str, object]:
         finally:
             keras.mixed_precision.set_global_policy("float32")
     return out
+
+
+def case_profile_and_post_partition_hook(ctx: object) -> dict[str, object]:
+    _init()
+    x, y = _data()
+    _, dm = _pair()
+    calls: list[int] = []
+    hook = tfsmp.register_post_partition_hook(lambda: calls.append(len(dm.trainable_variables)))
+    try:
+        dm.profile(x[:16])
+        dm.train_on_batch(x[:16], y[:16])
+        dm.train_on_batch(x[16:32], y[16:32])
+    finally:
+        from tfsmp.keras import model as model_module
+
+        model_module._POST_PARTITION_HOOKS.remove(hook)
+    graph = dm._engine.traced.graph
+    measured = {n.name: n.measured_seconds for n in graph if not n.is_input}
+    return {"hook_calls": calls, "own_variables": len(dm.trainable_variables),
+            "measured_on_rank0": all(v is not None and v > 0 for v in measured.values())
+            if tfsmp.rank() == 0 else None}
