@@ -207,6 +207,8 @@ def test_helpers_before_init_say_how_to_fix(no_launcher) -> None:
 
 
 def test_world_of_one_without_mpirun(no_launcher) -> None:
+    # other tests in this pytest process may have imported them already: init must not
+    had = {m: m in sys.modules for m in ("mpi4py.MPI", "tensorflow")}
     cfg = tfsmp.init({"microbatches": 2})
     assert cfg.microbatches == 2 and tfsmp.is_initialized()
     assert tfsmp.state().comm.backend == "local"
@@ -216,7 +218,7 @@ def test_world_of_one_without_mpirun(no_launcher) -> None:
     tfsmp.barrier()
     tfsmp.broadcast("nobody listens")   # no other member: returns at once
     assert tfsmp.init() is cfg
-    assert "mpi4py.MPI" not in sys.modules and "tensorflow" not in sys.modules
+    assert {m: m in sys.modules for m in had} == had
     assert failure.installed()
 
 

@@ -528,12 +528,10 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         export.save_model(self, save_path)
 
     def held_variable_bytes(self) -> int:
-        """Bytes of model variables this rank holds."""
-        if self._engine is None:
-            return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in self._all_variables())
-        variables = self._all_variables()
-        return sum(int(np.prod(variables[i].shape)) * np.dtype(variables[i].dtype).itemsize
-                   for i in self._owned())
+        """Bytes of model weights that hold storage in this process (after partitioning: only
+        this rank's stages; the others were released or never allocated)."""
+        return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+                   for v in self._all_variables() if getattr(v, "_value", None) is not None)
 
     def summary(self, *args: Any, **kwargs: Any) -> None:
         """Prints each layer with its stage (plan known) or the wrapped model's summary."""

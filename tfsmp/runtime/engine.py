@@ -109,17 +109,7 @@ class Engine:
         Raises:
             StepError: naming the input, on every rank alike (all ranks see the same batch).
         """
-        packed = self.traced.pack_inputs(x)
-        for key, value in packed.items():
-            want = self.traced.graph.tensors[key].shape
-            got = tuple(np.shape(value))[1:]
-            if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
-                name = key.split(":")[0]
-                raise StepError(
-                    f"{self.rank_tag} Every batch must have the per-sample shape the model was "
-                    f"traced with. Received: input '{name}' with shape {got}, expected "
-                    f"{tuple(want)}. Pad or crop batches to one shape (shapes may not change "
-                    f"between batches of a pipelined model).")
+        self.check_inputs_packed(self.traced.pack_inputs(x))
 
     def _microbatches(self, x: Any, y: Any, sample_weight: Any, m: int) -> list[MicroBatch]:
         self.check_inputs(x)
@@ -194,7 +184,8 @@ class Engine:
                 raise StepError(
                     f"{self.rank_tag} Every batch must have the per-sample shape the model was "
                     f"traced with. Received: input '{key.split(':')[0]}' with shape {got}, "
-                    f"expected {tuple(want)}.")
+                    f"expected {tuple(want)}. Pad or crop batches to one shape (shapes may not "
+                    f"change between batches of a pipelined model).")
 
     def forward(self, x: Any, num_microbatches: int | None = None) -> StepResult:
         """Pipelined inference; outputs land on the last stage's rank."""

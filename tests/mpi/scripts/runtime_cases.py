@@ -203,9 +203,11 @@ def run_case(spec: str) -> dict[str, object]:
             for a, b in zip(weights, ref.get_weights())]
     loss_ok = np.allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
     engine = dm._engine
+    model_weights = {id(v) for v in dm._all_variables()}  # not seed-generator state
     plan_bytes = sum(
-        int(np.prod(v.shape)) * 4
-        for v in engine.traced.variables_of({n for s in engine.stages for n in engine.plan.layers(s)}))
+        int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+        for v in engine.traced.variables_of({n for s in engine.stages for n in engine.plan.layers(s)})
+        if id(v) in model_weights)
     return {"ok": bool(loss_ok and max(errs, default=0.0) <= 1.0), "losses": losses,
             "ref_losses": ref_losses, "max_weight_err": max(errs, default=0.0),
             "held_bytes": dm.held_variable_bytes(), "plan_bytes": plan_bytes,
