@@ -45,6 +45,7 @@ def test_callbacks_run_alike_on_every_rank(results: dict) -> None:
     assert a == b
     assert a["epochs_run"] == 2 and a["batches"] == 8  # EarlyStopping after patience 1
     assert a["lr"] == pytest.approx(0.025)              # LearningRateScheduler on every rank
+    assert a["tensorboard_event_files"]                 # TensorBoard writes its logs
 
 
 def test_evaluate_predict_and_call_equal_plain_keras(results: dict) -> None:

@@ -80,9 +80,15 @@ def case_callbacks_act_on_every_rank(ctx: object) -> dict[str, object]:
     schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 / (epoch + 1))
     early = keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=1)
     count = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b))
-    h = dm.fit(x, y, batch_size=16, epochs=10, callbacks=[schedule, early, count], verbose=0)
+    import tempfile
+
+    logdir = tempfile.mkdtemp(prefix=f"tb-rank{tfsmp.rank()}-")
+    board = keras.callbacks.TensorBoard(log_dir=logdir)
+    h = dm.fit(x, y, batch_size=16, epochs=10, callbacks=[schedule, early, count, board], verbose=0)
+    events = [f for _, _, files in os.walk(logdir) for f in files if "tfevents" in f]
     return {"epochs_run": len(h.history["loss"]), "batches": len(batches),
-            "lr": float(np.asarray(dm.optimizer.learning_rate)), "stopped": early.stopped_epoch}
+            "lr": float(np.asarray(dm.optimizer.learning_rate)), "stopped": early.stopped_epoch,
+            "tensorboard_event_files": len(events) > 0}
 
 
 def case_evaluate_and_predict_match_keras(ctx: object) -> dict[str, object]:
