@@ -133,6 +133,7 @@ class Engine:
         scale /= self.dp_size
         for prog in self.programs.values():
             prog.scale.assign(scale)
+            prog.track_finite = self.m > 1
         mbs = self._microbatches(x, y, sample_weight, self.m)
         ex = Executor(self._train_actions, self.programs, self.plan, self.comm.pipeline,
                       self.num_ranks, self.m, stall_timeout=self.config.stall_timeout,
@@ -267,6 +268,8 @@ class Engine:
         bad_mb = sorted(i for i, loss in losses.items() if not np.isfinite(float(loss)))
         first = {s: p.nonfinite_microbatch for s, p in self.programs.items()
                  if p.nonfinite_microbatch is not None}
+        if not ok and self.m == 1:  # one microbatch: no per-microbatch tracking was needed
+            first = {s: 0 for s, p in self.programs.items() if not bool(p._finite())}
         report = self.comm.world.allgather_obj((ok, first, bad_mb))
         if all(r[0] for r in report) and not any(r[2] for r in report):
             return True

@@ -92,6 +92,7 @@ class StageProgram:
         self._accumulate = tf.function(self._accumulate_fn)
         self._finite = tf.function(self._finite_fn)
         self.nonfinite_microbatch: int | None = None  # first microbatch with non-finite grads
+        self.track_finite = True  # per-microbatch check; pointless (skipped) with one microbatch
         # [Note: collect mode] `@smp.step` returns every microbatch's gradients (StepOutput),
         # so with `collect` set the weight gradients are kept per microbatch, not summed.
         self.collect = False
@@ -180,7 +181,7 @@ class StageProgram:
 
     def _note_finite(self, i: int) -> None:
         """Remembers the first microbatch after which accumulated gradients are not finite."""
-        if self.nonfinite_microbatch is None and not bool(self._finite()):
+        if self.track_finite and self.nonfinite_microbatch is None and not bool(self._finite()):
             self.nonfinite_microbatch = i
 
     def _accumulate_fn(self, grads: list[tf.Tensor]) -> None:
