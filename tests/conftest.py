@@ -14,6 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MARKERS = {
+    "soak": "a long-running steadiness check (500 steps on 4 ranks)",
     "mpi": "launches processes under mpirun (tier 3)",
     "tf": "imports TensorFlow in-process (tier 2)",
     "horovod": "needs a Horovod build (tfsmp install-horovod)",

@@ -48,7 +48,7 @@ from keras.src.ops.function import make_node_key
 from keras.src.ops.node import Node
 from keras.src.ops.symbolic_arguments import SymbolicArguments
 
-from tfsmp.errors import StepError, TraceError
+from tfsmp.errors import StepError, TfsmpError, TraceError
 from tfsmp.graph import costs
 from tfsmp.graph.deferred import deferred_scope
 from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo
@@ -336,7 +336,7 @@ def _build_symbolically(model: keras.Model, args: tuple[Any, ...], kwargs: dict[
 def _symbolic_call(model: keras.Model, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
         return fn(*args, **kwargs)
-    except TraceError:
+    except TfsmpError:  # already says what is wrong (e.g. a layer under two smp.partition scopes)
         raise
     except Exception as e:
         raise TraceError(_trace_message(model, e)) from e

@@ -24,6 +24,7 @@ model releases the variables other ranks own.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -361,7 +362,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         for epoch in range(initial_epoch, epochs):
             self._reset_metrics()
             cb.on_epoch_begin(epoch)
-            for step, (xb, yb, wb) in enumerate(source.epoch(epoch)):
+            for step, (xb, yb, wb) in enumerate(self._agreed(source, epoch)):
                 if epoch == initial_epoch and step < skip:
                     continue
                 cb.on_train_batch_begin(step)
@@ -394,6 +395,33 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
                     if folder and "{" not in folder:
                         os.makedirs(folder, exist_ok=True)
         self._state.comm.world.barrier()
+
+    def _agreed(self, source: BatchSource, epoch: int) -> Iterator[tuple[Any, Any, Any]]:
+        """``source``'s batches while every rank has one. [Note: replicas run out together]
+        A dataset or generator is iterated on every rank; if one rank runs out first, its
+        peers would wait for it in the next step forever. Each step all ranks first agree
+        (one small allgather) that all have a batch, before any message of the step."""
+        batches = source.epoch(epoch)
+        if source.arrays:  # tfsmp batches arrays itself: the same count on every rank
+            yield from batches
+            return
+        topo = self._state.topology
+        for step in itertools.count():
+            batch = next(batches, None)
+            have = self._state.comm.world.allgather_obj(batch is not None)
+            if all(have):
+                yield batch  # type: ignore[misc]
+                continue
+            if any(have):
+                short = [r for r, h in enumerate(have) if not h]
+                replicas = sorted({topo.data_rank_of(r) for r in short})
+                raise StepError(
+                    f"{self._rank_tag()} Every rank's dataset must yield the same number of "
+                    f"batches. Received: rank(s) {short} (data replica(s) {replicas}) ran out "
+                    f"of data at step {step} of epoch {epoch} while the others had a batch. "
+                    f"Give every rank the same dataset (seeded alike), or pass "
+                    f"steps_per_epoch= no larger than the shortest one.")
+            return
 
     # -- inference -----------------------------------------------------------------------------
 

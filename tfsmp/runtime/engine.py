@@ -16,6 +16,7 @@ loss over the global batch.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ import tensorflow as tf
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.runtime import microbatch as mbatch
+from tfsmp.runtime import watchdog as wd
 from tfsmp.runtime.executor import Executor, MicroBatch, StepResult
 from tfsmp.runtime.stage import StageProgram
 from tfsmp.schedule.actions import Action, Op
@@ -111,8 +113,25 @@ class Engine:
         """
         self.check_inputs_packed(self.traced.pack_inputs(x))
 
+    def check_batch_sizes(self, x: Any, y: Any, sample_weight: Any) -> None:
+        """Targets and sample weights have one row per input row (else only the last stage's
+        loss would fail, and its peers would wait for it).
+
+        Raises:
+            StepError: on every rank alike, before any message.
+        """
+        b = mbatch.batch_size_of(x)
+        for what, value in (("targets", y), ("sample_weight", sample_weight)):
+            n = mbatch.batch_size_of(value) if value is not None else b
+            if n != b:
+                raise StepError(
+                    f"{self.rank_tag} Targets and sample weights must have one row per input "
+                    f"row. Received: inputs with batch size {b}, {what} with batch size {n}. "
+                    f"Pass x, y and sample_weight of the same length.")
+
     def _microbatches(self, x: Any, y: Any, sample_weight: Any, m: int) -> list[MicroBatch]:
         self.check_inputs(x)
+        self.check_batch_sizes(x, y, sample_weight)
         xs = mbatch.split(x, m)
         ys = mbatch.split(y, m, what="target batch") if y is not None else [None] * m
         ws = (mbatch.split(sample_weight, m, what="sample_weight batch")
@@ -242,7 +261,8 @@ class Engine:
                 a.assign(s)
             return
         flat = np.concatenate([a.numpy().ravel() for a in accs]) if accs else np.zeros(0)
-        self.comm.data.allreduce_(flat)
+        with _watched(f"the data-parallel allreduce of stage {stage}'s gradients"):
+            self.comm.data.allreduce_(flat)
         offset = 0
         for a in accs:
             n = int(np.prod(a.shape))
@@ -270,7 +290,8 @@ class Engine:
                  if p.nonfinite_microbatch is not None}
         if not ok and self.m == 1:  # one microbatch: no per-microbatch tracking was needed
             first = {s: 0 for s, p in self.programs.items() if not bool(p._finite())}
-        report = self.comm.world.allgather_obj((ok, first, bad_mb))
+        with _watched("every rank's finite-gradient flag (an allgather)"):
+            report = self.comm.world.allgather_obj((ok, first, bad_mb))
         if all(r[0] for r in report) and not any(r[2] for r in report):
             return True
         if self._loss_scaled or self.config.nonfinite == "skip":
@@ -330,6 +351,12 @@ class Engine:
         return sum(int(np.prod(v.shape)) * v.dtype_size_bytes()
                    if hasattr(v, "dtype_size_bytes") else int(np.prod(v.shape)) * 4
                    for v in self.traced.variables_of(names))
+
+
+def _watched(what: str) -> Any:
+    """A blocking collective the watchdog times (tfsmp.runtime.watchdog, [Note: blocking calls])."""
+    dog = wd.for_process()
+    return dog.blocking(what) if dog is not None else contextlib.nullcontext()
 
 
 def _to_tensors(structure: Any) -> Any:

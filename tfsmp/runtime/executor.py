@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import Boundary, StagePlan
+from tfsmp.runtime import watchdog as wd
 from tfsmp.runtime.stage import StageProgram, is_differentiable
 from tfsmp.schedule.actions import message_tag
 
@@ -94,6 +95,7 @@ class Executor:
         self.tracer = tracer
         self.rank_tag = rank_tag
         self.current: Any = None
+        self.watchdog = wd.for_process()  # None outside a multi-rank MPI job
         self._pairs: dict[tuple[int, int], list[Boundary]] = {}
         for b in plan.boundaries:
             for c in b.consumers:
@@ -140,6 +142,8 @@ class Executor:
         start = time.monotonic()
         deadline = start + self.stall_timeout if self.stall_timeout > 0 else None
         pending = [r for r in requests if not r.test()]
+        if pending and self.watchdog is not None:
+            self.watchdog.waiting(what)
         while pending:
             now = time.monotonic()
             if now - start < 0.05:
@@ -148,10 +152,13 @@ class Executor:
                 time.sleep(min(1e-3, (now - start) / 50))
             pending = [r for r in pending if not r.test()]
             if pending and deadline is not None and time.monotonic() > deadline:
-                raise StepError(
+                message = (
                     f"{self.rank_tag} waited more than stall_timeout={self.stall_timeout}s for "
                     f"{what} (action {self.current}). A peer rank is stuck or failed; see its "
                     f"output. Raise stall_timeout in the config if steps are legitimately slow.")
+                if self.watchdog is not None:
+                    self.watchdog.expire(message)  # prints every rank's action, aborts the job
+                raise StepError(message)
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -175,9 +182,14 @@ class Executor:
         self.grad_in: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
         self.grad_out: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
         self.sends: list[tuple[Any, np.ndarray]] = []
+        dog = self.watchdog
+        if dog is not None:
+            dog.step_begin()
         self._post_receives()
         for action in self.actions:
             self.current = action
+            if dog is not None:
+                dog.update(action)
             if self.tracer is not None:
                 with self.tracer.event(str(action), action.op.value):
                     self._dispatch[action.op.value](action)
@@ -186,6 +198,8 @@ class Executor:
         self.current = "waiting for sends"
         self._wait([r for r, _ in self.sends], "sends to complete")
         self.sends.clear()
+        if dog is not None:
+            dog.step_end()
         return self.result
 
     def _post_receives(self) -> None:

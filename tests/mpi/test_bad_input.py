@@ -1,0 +1,166 @@
+"""Bad data and bad checkpoints on 2 ranks: the same clear error on every rank, no state change, no hang.
+
+Two launches (cases in `scripts/bad_input_cases.py`): the data, model and checkpoint cases on 2
+stages; then the inputs that only some ranks would notice (targets of another length on 2
+stages, a replica that runs out of data on 2 replicas). The bound: each launch
+ends within its hard timeout (a hang fails the test with everyone's output) and each bad call
+raises within CHECK_BOUND seconds. The rest of the catalogue, which needs no MPI, is in
+tests/pure/test_bad_input_catalogue.py and tests/tf/test_bad_input_model.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.mpihelp import SCRIPTS, run_cases
+
+pytestmark = pytest.mark.mpi
+CASES = SCRIPTS / "bad_input_cases.py"
+LAUNCH_BOUND = 240.0  # s, the whole 2-rank launch, TF start-up included (shared 2-core CI)
+AGREE_BOUND = 120.0  # s, the second launch: 2 cases
+CHECK_BOUND = 30.0    # s, from a bad call to its error on every rank
+
+# check -> (exception type, pattern the message must match after the rank tag)
+EXPECTED: dict[str, tuple[str, str]] = {
+    # data
+    "not_divisible": ("StepError", r"^The global batch size must be divisible by data-parallel "
+                      r"replicas × microbatches\. Received: batch_size=10, replicas=1, "
+                      r"microbatches=4\. Use a batch size that is a multiple of 4"),
+    "dataset_last_batch_not_divisible": (
+        "StepError", r"^The global batch size must be divisible .* Received: batch_size=10, "
+        r"replicas=1, microbatches=4\. .*drop_remainder=True"),
+    "shape_changes_between_batches": (
+        "StepError", r"^Every batch must have the per-sample shape the model was traced with\. "
+        r"Received: input 'x' with shape \(9,\), expected \(8,\)\. Pad or crop batches"),
+    "string_inputs": ("ValueError", r"^could not convert string to float"),
+    "too_many_inputs": ("StepError", r"^The inputs must match the model's 1 inputs \['x'\]\. "
+                        r"Received: 2 values \(list\)\."),
+    "no_targets": ("StepError", r"^The loss needs targets\. Received: y=None\. Pass y to fit\(\)"),
+    "targets_batch_differs": (
+        "StepError", r"^Targets and sample weights must have one row per input row\. Received: "
+        r"inputs with batch size 16, targets with batch size 12\."),
+    "sample_weight_batch_differs": (
+        "StepError", r"^Targets and sample weights must have one row per input row\. Received: "
+        r"inputs with batch size 16, sample_weight with batch size 12\."),
+    "validation_split": ("StepError", r"^DistributedModel\.fit does not support validation_split "
+                         r"yet\. Received: validation_split=0\.2\."),
+    "class_weight": ("StepError", r"^DistributedModel\.fit does not support class_weight yet\."),
+    "unknown_fit_argument": ("TypeError", r"^fit\(\) got unexpected keyword arguments: "
+                             r"\['epochz'\]"),
+    "dataset_batch_size_not_int": ("StepError", r"^batch_size must be an int\. Received: "
+                                   r"batch_size='16'"),
+    "fit_before_compile": ("StepError", r"^fit needs a loss and an optimizer\. .*Call "
+                           r"model\.compile\(optimizer=\.\.\., loss=\.\.\.\) first\."),
+    # model
+    "boundary_shape_unknown": (
+        "StepError", r"^Tensors crossing stages need fully known per-sample shapes\. Received: "
+        r"'emb:0:0' with shape \(None, 4\)\. Give the model's Input a fixed shape"),
+    # checkpoints
+    "truncated_array": ("CheckpointError", r"^A checkpoint file has the wrong size \(truncated\?\)"
+                        r"\. Received: file '.*/truncated_array/ckpt-1/model/d2_kernel\..*\.npy' "
+                        r"for variable 'd2/kernel' has 1144 bytes, the manifest says 1152\."),
+    "checksum_mismatch": ("CheckpointError", r"^A checkpoint file does not match its checksum "
+                          r"\(corrupted\)\. Received: file '.*' for variable 'd2/kernel'"),
+    "missing_array": ("CheckpointError", r"^A checkpoint file is missing\. Received: file '.*' "
+                      r"for variable 'd2/kernel' does not exist\."),
+    "manifest_not_json": ("CheckpointError", r"^A checkpoint manifest must be valid JSON\. "
+                          r"Received: '.*/manifest_not_json/ckpt-1/manifest\.json' does not parse"),
+    "foreign_manifest": ("CheckpointError", r"^The manifest must be a tfsmp checkpoint manifest\. "
+                         r"Received: format='orbax'"),
+    "newer_format_version": ("CheckpointError", r"^This tfsmp reads checkpoint format versions up "
+                             r"to 1\. Received: format_version=99"),
+    "path_outside_checkpoint": ("CheckpointError", r"^A manifest file path must stay inside the "
+                                r"checkpoint directory\. Received: file='\.\./\.\./\.\./\.\./etc/"
+                                r"passwd'"),
+    "tensorflow_checkpoint": ("CheckpointError", r"^restore_prefix must name a complete "
+                              r"checkpoint\. Received: restore_prefix='.*/tf_native/ckpt-1'"),
+    "unknown_restore_prefix": ("CheckpointError", r"^restore_prefix must name a complete "
+                               r"checkpoint\. Received: restore_prefix='ckpt-7'; '.*/good' holds "
+                               r"\['ckpt-1'\]\."),
+    "wrong_shapes": ("CheckpointError", r"^A checkpoint variable must have the model variable's "
+                     r"shape\. Received: 'd0/kernel' has shape \(8, 16\) .* the model's is "
+                     r"\(8, 32\)\."),
+    "missing_variable": ("CheckpointError", r"^Every variable of the model must be in the "
+                         r"checkpoint\. Received: 'd_extra/kernel' is missing"),
+    "weights_file_wrong_shapes": ("CheckpointError", r"^Weight shapes must match\. Received: "
+                                  r"'.*' in '.*/wide\.weights\.h5' has shape \(8, 32\), variable "
+                                  r"'d0/kernel' has \(8, 16\)\."),
+    "weights_file_not_hdf5": ("CheckpointError", r"^The weights file must be a Keras \.weights\.h5 "
+                              r"or \.keras file\. Received: '.*/notes\.weights\.h5' cannot be read"),
+    # a replica runs out of data (its own launch)
+    "replica_runs_out_of_data": (
+        "StepError", r"^Every rank's dataset must yield the same number of batches\. Received: "
+        r"rank\(s\) \[1\] \(data replica\(s\) \[1\]\) ran out of data at step 2 of epoch 0 while "
+        r"the others had a batch\."),
+}
+STAGES_CASES = ["case_not_compiled", "case_data", "case_unknown_boundary_shape", "case_checkpoints"]
+# Inputs only some ranks would notice (so their peers would wait forever): the ranks must agree
+# first. A separate launch, so that a hang here does not hide the results above.
+AGREEMENT_CASES = ["case_lengths_differ", "case_replica_runs_out"]
+AGREEMENT_CHECKS = {"targets_batch_differs", "sample_weight_batch_differs",
+                    "replica_runs_out_of_data"}
+
+
+def _checks(results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """check name -> its outcome on rank 0 and rank 1."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for case, per_rank in results.items():
+        for rank in (0, 1):
+            rec = per_rank[rank]
+            assert rec["ok"], f"{case} on rank {rank}:\n{rec['error']}"
+            for name, outcome in rec["result"].items():
+                out.setdefault(name, []).append(outcome)
+    return out
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bad_input")
+
+
+@pytest.fixture(scope="module")
+def staged(directory: Path) -> dict[str, list[dict[str, Any]]]:
+    env = {"TFSMP_BAD_INPUT_DIR": str(directory)}
+    return _checks(run_cases(2, CASES, STAGES_CASES, env=env, timeout=LAUNCH_BOUND))
+
+
+@pytest.fixture(scope="module")
+def agreed(directory: Path) -> dict[str, list[dict[str, Any]]]:
+    env = {"TFSMP_BAD_INPUT_DIR": str(directory)}
+    return _checks(run_cases(2, CASES, AGREEMENT_CASES, env=env, timeout=AGREE_BOUND))
+
+
+_TAG = re.compile(r"^\[rank \d+ \| stage \d+\] ")
+
+
+def _untagged(error: str) -> str:
+    kind, _, message = error.partition(": ")
+    return f"{kind}: {_TAG.sub('', message)}"
+
+
+def test_every_catalogued_check_ran(staged: dict[str, list[dict[str, Any]]],
+                                    agreed: dict[str, list[dict[str, Any]]]) -> None:
+    assert sorted(staged) == sorted(set(EXPECTED) - AGREEMENT_CHECKS)
+    assert sorted(agreed) == sorted(AGREEMENT_CHECKS)
+
+
+@pytest.mark.parametrize("check", sorted(EXPECTED))
+def test_bad_input_gives_its_error_on_every_rank_and_changes_nothing(
+        request: pytest.FixtureRequest, check: str) -> None:
+    kind, pattern = EXPECTED[check]
+    launch = "agreed" if check in AGREEMENT_CHECKS else "staged"
+    per_rank = request.getfixturevalue(launch)[check]
+    assert len(per_rank) == 2
+    for outcome in per_rank:
+        error = _untagged(outcome["error"])
+        assert error.startswith(f"{kind}: "), outcome["error"]
+        assert re.search(pattern, error.split(": ", 1)[1]), outcome["error"]
+        assert outcome["unchanged"], f"{check}: state changed on a rank"
+        assert outcome["seconds"] < CHECK_BOUND
+    # the same sentence on both ranks (rank tags and per-rank file lists aside)
+    first = [_untagged(o["error"]).split(" (and ")[0] for o in per_rank]
+    assert first[0] == first[1]
