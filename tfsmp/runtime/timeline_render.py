@@ -51,8 +51,9 @@ KIND_LABELS = {
     "RECV_F": "receive (waiting)", "RECV_B": "receive (waiting)", "REDUCE": "reduction",
     "STEP": "optimizer", "idle": "idle",
 }
+_FUSED = "forward+backward (last stage, fused)"
 _COLOURS = {
-    "forward": "#8ecae6", "backward": "#219ebc", "send": "#ffb703",
+    "forward": "#8ecae6", "backward": "#219ebc", _FUSED: "#5fa8d3", "send": "#ffb703",
     "receive (waiting)": "#e76f51", "reduction": "#8338ec", "optimizer": "#2a9d8f",
     "idle": "#eeeeee",
 }
@@ -163,15 +164,21 @@ def step_stats(step: Step) -> StepStats:
     return StepStats(start, end, busy, recv)
 
 
-def stage_times(steps: Sequence[Step]) -> tuple[list[float], list[float]]:
-    """Median forward and backward seconds of one microbatch per stage over ``steps``.
+def stage_times(steps: Sequence[Step], statistic: str = "median"
+                ) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of one microbatch per stage over ``steps``: the median, or
+    with ``statistic="mean"`` the mean (which keeps each stage's total busy time, what an idle
+    prediction needs when durations vary).
 
     The last stage's forward span holds its fused forward, loss and backward (its B is a
     hand-over of gradients already computed), as in the runtime.
 
     Raises:
-        ValueError: no compute spans in ``steps``.
+        ValueError: no compute spans in ``steps``, or an unknown ``statistic``.
     """
+    if statistic not in ("median", "mean"):
+        raise ValueError(f"statistic must be 'median' or 'mean'. Received: statistic={statistic!r}")
+    pick = statistics.median if statistic == "median" else statistics.fmean
     times: dict[tuple[int, str], list[float]] = {}
     for step in steps:
         for spans in step.values():
@@ -182,8 +189,8 @@ def stage_times(steps: Sequence[Step]) -> tuple[list[float], list[float]]:
         raise ValueError("stage_times needs steps with F/B spans. Received: none. Trace a "
                          "training run (fit or train_on_batch), not only predict.")
     stages = 1 + max(stage for stage, _ in times)
-    forward = [statistics.median(times.get((s, "F"), [0.0])) for s in range(stages)]
-    backward = [statistics.median(times.get((s, "B"), [0.0])) for s in range(stages)]
+    forward = [pick(times.get((s, "F"), [0.0])) for s in range(stages)]
+    backward = [pick(times.get((s, "B"), [0.0])) for s in range(stages)]
     return forward, backward
 
 
@@ -270,10 +277,11 @@ def render_gantt(steps: Sequence[Step], path: str | Path, *, title: str | None =
     fig, ax = plt.subplots(figsize=(12, 0.7 * len(ranks) + 1.6))
     multi_stage = any(len({s.stage for s in spans if s.kind in COMPUTE}) > 1
                       for step in steps for spans in step.values())
+    last = max((s.stage or 0 for step in steps for v in step.values() for s in v), default=0)
     for step in steps:
         for r, spans in step.items():
             for s in [*idle_spans(spans, spans[0].start, spans[-1].end), *spans]:
-                _draw_span(ax, s, t0, ranks.index(r), multi_stage)
+                _draw_span(ax, s, t0, ranks.index(r), multi_stage, fused=s.stage == last)
     ax.set_xlim(0, (t1 - t0) * 1e3)
     ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
@@ -281,7 +289,8 @@ def render_gantt(steps: Sequence[Step], path: str | Path, *, title: str | None =
     stats = [step_stats(step) for step in steps]
     bubble = statistics.median(s.bubble_fraction for s in stats)
     ax.set_title(title or f"measured: {len(steps)} step(s), idle fraction {bubble:.3f}")
-    kinds = ["forward", "backward", "send", "receive (waiting)", "reduction", "optimizer", "idle"]
+    kinds = ["forward", "backward", _FUSED, "send", "receive (waiting)", "reduction", "optimizer",
+             "idle"]
     ax.legend(handles=[Patch(facecolor=_COLOURS[k], edgecolor="black", label=k) for k in kinds],
               loc="upper left", bbox_to_anchor=(1.005, 1.0), frameon=False)
     fig.tight_layout()
@@ -291,8 +300,9 @@ def render_gantt(steps: Sequence[Step], path: str | Path, *, title: str | None =
     return path
 
 
-def _draw_span(ax: Any, s: Span, t0: float, row: int, multi_stage: bool) -> None:
-    label = KIND_LABELS.get(s.kind, s.kind)
+def _draw_span(ax: Any, s: Span, t0: float, row: int, multi_stage: bool, fused: bool) -> None:
+    # The runtime runs the last stage's forward, loss and backward as one compiled call.
+    label = _FUSED if fused and s.kind == "F" else KIND_LABELS.get(s.kind, s.kind)
     thin = s.kind not in (*COMPUTE, "STEP", "REDUCE", "idle")
     ax.barh(row, s.duration * 1e3, left=(s.start - t0) * 1e3, height=0.35 if thin else 0.8,
             color=_COLOURS.get(label, "#999999"), edgecolor="black" if s.kind != "idle" else "none",
@@ -306,7 +316,8 @@ def _draw_span(ax: Any, s: Span, t0: float, row: int, multi_stage: bool) -> None
 def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
                            virtual_stages: int = 1, links: Any = None) -> dict[str, Any]:
     """Measured idle share per rank (median over ``steps``) beside the schedule simulator's
-    prediction for the same schedule and the measured per-stage forward/backward times.
+    prediction for the same schedule and the measured per-stage forward/backward times (means,
+    so that every stage's simulated busy time equals its measured one).
 
     Args:
         steps: training steps from `training_steps` (leave out warm-up steps).
@@ -326,7 +337,7 @@ def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
     if not steps:
         raise ValueError("compare_with_simulator needs at least one training step. Received: none.")
     ranks = sorted(steps[0])
-    forward, backward = stage_times(steps)
+    forward, backward = stage_times(steps, "mean")
     m = sum(1 for s in steps[0][ranks[0]] if s.kind == "F" and s.stage == ranks[0])
     sim = simulate(generate(pipeline, len(ranks), m, virtual_stages), forward_time=forward,
                    backward_time=backward, links=links)

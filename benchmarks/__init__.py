@@ -1,0 +1,1 @@
+"""tfsmp's benchmarks: `python benchmarks/run.py [--quick]` (see benchmarks/run.py)."""

@@ -1,0 +1,155 @@
+"""Benchmark 4, point-to-point: tfsmp's boundary transfers vs a raw mpi4py buffer ping-pong.
+
+Two ranks. Arm A is the runtime's own code path: an `Executor` whose schedule holds only
+transfers (rank 0 ``SEND_F`` then ``RECV_B``, rank 1 ``RECV_F`` then ``SEND_B``, per
+microbatch), so every message goes through what a training step does — receives pre-posted at
+the start of the step, a tensor turned into a numpy buffer and sent with ``Isend``, the receive
+completed by the executor's polling wait and turned back into a tensor. Arm B is the floor:
+blocking ``Send``/``Recv`` of preallocated numpy buffers of the same size, the same number of
+round trips. Throughput = bytes moved / time; the figure is the median over A/B rounds of
+throughput(A) / throughput(B).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from benchmarks.common import launch, median, ratio_summary
+
+__all__ = ["run", "summarize", "verdict", "worker"]
+
+NAME = "p2p"
+TITLE = "Point-to-point (tfsmp boundary transfer / raw mpi4py ping-pong)"
+GOAL = 0.9
+
+
+def settings(quick: bool) -> dict[str, Any]:
+    sizes = [256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024]
+    return {"sizes": sizes, "round_trips": 16, "rounds": 7 if quick else 21}
+
+
+def run(quick: bool) -> dict[str, Any]:
+    args = settings(quick)
+    result = launch(2, "bench_p2p", "worker", args, timeout=600)
+    result["settings"] = args
+    return result
+
+
+def worker(args: dict[str, Any]) -> dict[str, Any]:
+    from benchmarks import tfhelp
+
+    tfhelp.setup_threads()
+    from mpi4py import MPI
+
+    from tfsmp.comm.mpi import MpiGroup
+
+    comm = MPI.COMM_WORLD.Dup()
+    group = MpiGroup(comm)
+    rows = []
+    for size in args["sizes"]:
+        rows.append(_size(comm, group, size, args["round_trips"], args["rounds"]))
+    return {"rows": rows}
+
+
+def _size(comm: Any, group: Any, size: int, k: int, rounds: int) -> dict[str, Any]:
+    ex = _transfer_executor(group, size // 4, k)
+    raw = _RawPingPong(comm, size // 4)
+    ex.step(), raw.step(k)  # warm up both paths (buffers, MPI connections, TF kernels)
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(rounds):
+        comm.Barrier()
+        a.append(ex.step())
+        comm.Barrier()
+        b.append(raw.step(k))
+    moved = 2 * k * size
+    return {"bytes": size, "round_trips": k,
+            "tfsmp_gbps": moved / median(a) / 1e9, "raw_gbps": moved / median(b) / 1e9,
+            "ratio": ratio_summary([bi / ai for ai, bi in zip(a, b)])}
+
+
+class _RawPingPong:
+    """Blocking mpi4py buffer ping-pong between ranks 0 and 1."""
+
+    def __init__(self, comm: Any, floats: int) -> None:
+        import numpy as np
+
+        self.comm = comm
+        self.send = np.ones(floats, dtype=np.float32)
+        self.recv = np.empty(floats, dtype=np.float32)
+
+    def step(self, k: int) -> float:
+        start = time.perf_counter()
+        peer = 1 - self.comm.Get_rank()
+        for i in range(k):
+            if self.comm.Get_rank() == 0:
+                self.comm.Send(self.send, dest=peer, tag=i)
+                self.comm.Recv(self.recv, source=peer, tag=i)
+            else:
+                self.comm.Recv(self.recv, source=peer, tag=i)
+                self.comm.Send(self.send, dest=peer, tag=i)
+        return time.perf_counter() - start
+
+
+def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = None) -> Any:
+    """An executor whose schedule is only the transfers of ``k`` microbatches over one
+    boundary of ``floats`` float32 values per microbatch (one row of that width).
+    ``executor_module`` replaces `tfsmp.runtime.executor` (to measure a prototype)."""
+    import tensorflow as tf
+
+    from tfsmp.partitioning.plan import Boundary, StagePlan
+    from tfsmp.runtime import executor as runtime_executor
+    from tfsmp.schedule.actions import Action, Op
+
+    Executor = (executor_module or runtime_executor).Executor
+    MicroBatch = (executor_module or runtime_executor).MicroBatch
+
+    boundary = Boundary(0, "a:0:0", 0, (1,), (floats,), "float32", 4 * floats)
+    plan = StagePlan(2, {"a": 0, "b": 1}, (boundary,), (), "bench")
+    rank = group.rank
+    if rank == 0:
+        actions = [a for i in range(k) for a in (Action(0, Op.SEND_F, i, 1), Action(0, Op.RECV_B, i, 1))]
+    else:
+        actions = [a for i in range(k) for a in (Action(1, Op.RECV_F, i, 0), Action(1, Op.SEND_B, i, 0))]
+    payload = tf.ones((1, floats), dtype=tf.float32)
+
+    class TransferOnly(Executor):  # type: ignore[misc,valid-type]
+        """The runtime executor with every compute result replaced by ``payload``."""
+
+        def _post_receives(self) -> None:
+            super()._post_receives()
+            for i in range(k):
+                self.produced[(0, i)] = {0: payload}
+                self.grad_out[(1, i)] = {0: payload}
+
+        def step(self) -> float:
+            start = time.perf_counter()
+            self.run([MicroBatch({}, size=1) for _ in range(k)], train=True)
+            return time.perf_counter() - start
+
+    return TransferOnly(actions, {}, plan, group, 2, k)
+
+
+def summarize(result: dict[str, Any]) -> list[str]:
+    """Markdown table of the result."""
+    s = result["settings"]
+    lines = [f"2 ranks, {s['round_trips']} round trips per arm, {s['rounds']} rounds.", "",
+             "| message | tfsmp GB/s | raw mpi4py GB/s | tfsmp / raw [q1, q3] |",
+             "|---|---|---|---|"]
+    for r in result["rows"]:
+        q = r["ratio"]
+        lines.append(f"| {_size_text(r['bytes'])} | {r['tfsmp_gbps']:.2f} | {r['raw_gbps']:.2f} | "
+                     f"{q['median']:.3f} [{q['q1']:.3f}, {q['q3']:.3f}] |")
+    return lines
+
+
+def _size_text(n: int) -> str:
+    return f"{n // (1024 * 1024)} MB" if n >= 1024 * 1024 else f"{n // 1024} KB"
+
+
+def verdict(result: dict[str, Any]) -> str:
+    worst = min(r["ratio"]["median"] for r in result["rows"])
+    if worst >= GOAL:
+        return f"met: worst ratio {worst:.3f} ≥ {GOAL}"
+    return f"missed by {GOAL - worst:.3f} (worst ratio {worst:.3f} < {GOAL})"

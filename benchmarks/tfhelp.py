@@ -1,0 +1,160 @@
+"""Rank-side helpers of the benchmarks: threads, models, step timing, quiet waits, memory.
+
+Example::
+
+    setup_threads()                                   # TFSMP_BENCH_THREADS (set by `launch`)
+    model = dense_stack(width=1024, depth=8)
+    times = fit_step_times(model, x, y, batch_size=256, steps=4)   # seconds of 4 steady steps
+    sleepy_barrier()                                  # wait for the other ranks without spinning
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import resource
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "batch_step_time",
+    "concurrency_efficiency",
+    "dense_stack",
+    "fit_step_times",
+    "make_data",
+    "peak_rss_bytes",
+    "reinit",
+    "setup_threads",
+    "sleepy_barrier",
+    "world",
+]
+
+
+def setup_threads() -> int:
+    """Caps TensorFlow's thread pools at ``TFSMP_BENCH_THREADS`` (before any TF op runs)."""
+    import tensorflow as tf
+
+    threads = int(os.environ.get("TFSMP_BENCH_THREADS", "1"))
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    return threads
+
+
+def world() -> Any:
+    """mpi4py's COMM_WORLD."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def sleepy_barrier(poll: float = 0.002) -> None:
+    """A barrier that sleeps between polls, so a waiting rank leaves its core to the others
+    (MPI's blocking barrier spins, which would slow a baseline running on the other rank)."""
+    req = world().Ibarrier()
+    while not req.Test():
+        time.sleep(poll)
+
+
+def dense_stack(width: int = 1024, depth: int = 8, seed: int = 0, name: str = "dense_stack"
+                ) -> Any:
+    """``Input(width)`` then ``depth`` Dense(width) layers (relu except the last): equal,
+    weight-dominated layers, so any plan into stages dividing ``depth`` is balanced."""
+    import keras
+
+    x = keras.Input((width,), name="x")
+    h = x
+    for i in range(depth):
+        h = keras.layers.Dense(
+            width, activation="relu" if i < depth - 1 else None, name=f"dense{i}",
+            kernel_initializer=keras.initializers.GlorotUniform(seed=seed * 1000 + i),
+            bias_initializer="zeros")(h)
+    return keras.Model(x, h, name=name)
+
+
+def make_data(rows: int, width: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random float32 inputs and targets of ``rows`` × ``width``."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, width), dtype=np.float32)
+    y = rng.standard_normal((rows, width), dtype=np.float32) * 0.1
+    return x, y
+
+
+def _step_timer() -> Any:
+    import keras
+
+    class StepTimer(keras.callbacks.Callback):  # type: ignore[misc]
+        """Records the time at the end of every training batch."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.ends.append(time.perf_counter())
+
+    return StepTimer()
+
+
+def fit_step_times(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int, steps: int
+                   ) -> list[float]:
+    """Seconds of ``steps`` steady-state `fit` steps: one ``fit`` call of ``steps + 1`` batches;
+    a step's time is the interval between consecutive batch ends, so the call's own set-up
+    (data adapter, callbacks) and the first batch are excluded."""
+    timer = _step_timer()
+    model.fit(x[: (steps + 1) * batch_size], y[: (steps + 1) * batch_size], batch_size=batch_size,
+              epochs=1, steps_per_epoch=steps + 1, shuffle=False, verbose=0, callbacks=[timer])
+    ends = timer.ends
+    return [b - a for a, b in itertools.pairwise(ends)]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports kilobytes)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def reinit(config: dict[str, Any]) -> Any:
+    """`tfsmp.shutdown()` then `tfsmp.init(config)`: one process measures several configs."""
+    import tfsmp
+
+    tfsmp.shutdown()
+    tfsmp.init(config)
+    return tfsmp
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def concurrency_efficiency(model: Any, x: np.ndarray, y: np.ndarray, rounds: int) -> float | None:
+    """η, how much of two cores two single-thread processes get here right now: per round, rank
+    0 runs one `train_on_batch` step of ``model`` alone, then every rank runs one step of its own
+    copy at once. Returns (on rank 0) the median over rounds of the solo step time over the mean
+    concurrent one (1.0 = two free cores; 0.5 = the two processes shared one core); other ranks
+    return None."""
+    from statistics import median
+
+    comm = world()
+    ratios = []
+    for _ in range(rounds):
+        sleepy_barrier()
+        solo = batch_step_time(model, x, y) if comm.Get_rank() == 0 else 0.0
+        sleepy_barrier()
+        times = comm.gather(batch_step_time(model, x, y), root=0)
+        if times is not None:
+            ratios.append(solo / (sum(times) / len(times)))
+    sleepy_barrier()
+    return float(median(ratios)) if ratios else None
+
+
+def batch_step_time(model: Any, x: np.ndarray, y: np.ndarray) -> float:
+    """Seconds of one `train_on_batch` step on the whole of ``x``, ``y``: the finest grain at
+    which two arms can alternate (a `fit` call spends its first batch on set-up)."""
+    start = time.perf_counter()
+    model.train_on_batch(x, y)
+    return time.perf_counter() - start
