@@ -79,7 +79,6 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._state: Any = None
         self._metrics_fn: Any = None
         self._loss_reduction = "sum_over_batch_size"
-        self._train_counter = 0
         self._loss_sum, self._loss_count = 0.0, 0
         self._profile_batch: Any = None
         DistributedModel._live.append(weakref.ref(self))
@@ -273,7 +272,6 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         d, r = st.topology.dp_size, st.topology.data_rank_of(st.rank)
         share = [replica_share(v, r, d, engine.m) if v is not None else None for v in (x, y, sw)]
         result = engine.train_step(*share)
-        self._train_counter += 1
         return self._step_logs(engine, result, share[1], share[2], mbatch.batch_size_of(x))
 
     def _step_logs(self, engine: Any, result: Any, y: Any, sw: Any, global_batch: int

@@ -91,7 +91,6 @@ class Engine:
         self._eval_actions: dict[int, list[Action]] = {}
         self._horovod = bool(config.horovod)
         self._executor: Executor | None = None
-        self._finite_fn: Any = None
         self.steps = 0
         self.skipped_steps = 0
         # mixed_float16 wraps the optimizer in a LossScaleOptimizer (it has `inner_optimizer`;
@@ -223,6 +222,22 @@ class Engine:
 
     # -- reduction and optimizer ---------------------------------------------------------------
 
+    def _allreduce_sum(self, variables: list[Any], what: str, wide: bool = False,
+                       scale: float = 1.0) -> None:
+        """Sums ``variables`` over this stage's replicas through one fused MPI buffer (``wide``:
+        in float64), times ``scale``, and assigns the result back."""
+        dtype = np.float64 if wide else None
+        flat = np.concatenate([np.asarray(v.numpy(), dtype).ravel() for v in variables])
+        with _watched(what):
+            self.comm.data.allreduce_(flat)
+        if scale != 1.0:
+            flat *= scale
+        offset = 0
+        for v in variables:
+            n = int(np.prod(v.shape))
+            v.assign(flat[offset:offset + n].reshape(v.shape).astype(tf.as_dtype(v.dtype).as_numpy_dtype))
+            offset += n
+
     def _sync_statistics(self, stage: int) -> None:
         """Averages the stage's floating non-trainable variables (BatchNormalization moving
         statistics) over its replicas, so every replica keeps the same copy (each updated them
@@ -231,14 +246,8 @@ class Engine:
                  if np.dtype(v.dtype).kind == "f"]
         if not stats:
             return
-        flat = np.concatenate([np.asarray(v.numpy(), np.float64).ravel() for v in stats])
-        self.comm.data.allreduce_(flat)
-        flat /= self.dp_size
-        offset = 0
-        for v in stats:
-            n = int(np.prod(v.shape))
-            v.assign(flat[offset:offset + n].reshape(v.shape).astype(v.dtype))
-            offset += n
+        self._allreduce_sum(stats, f"the data-parallel average of stage {stage}'s statistics",
+                            wide=True, scale=1.0 / self.dp_size)
 
     def _reduce(self, stage: int) -> None:
         prog = self.programs[stage]
@@ -260,28 +269,14 @@ class Engine:
             for a, s in zip(accs, summed):
                 a.assign(s)
             return
-        flat = np.concatenate([a.numpy().ravel() for a in accs]) if accs else np.zeros(0)
-        with _watched(f"the data-parallel allreduce of stage {stage}'s gradients"):
-            self.comm.data.allreduce_(flat)
-        offset = 0
-        for a in accs:
-            n = int(np.prod(a.shape))
-            a.assign(flat[offset:offset + n].reshape(a.shape))
-            offset += n
+        if accs:
+            self._allreduce_sum(accs, f"the data-parallel allreduce of stage {stage}'s gradients")
 
     def _all_finite(self) -> bool:
         """[Note: consistent skips] Whether every gradient of every rank is finite. All ranks
         decide together (one small allgather), so an update is applied or skipped everywhere
         alike and loss-scale state stays identical across ranks."""
-        if self._finite_fn is None:
-            accs = self.accumulators
-
-            def finite() -> tf.Tensor:
-                flags = [tf.reduce_all(tf.math.is_finite(a)) for a in accs]
-                return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
-
-            self._finite_fn = tf.function(finite)
-        ok = bool(self._finite_fn()) and all(
+        ok = all(bool(p._finite()) for p in self.programs.values()) and all(
             bool(tf.reduce_all(tf.math.is_finite(v))) for prog in self.programs.values()
             for parts in prog.sparse_parts.values() for v, _ in parts)
         losses = self._executor.result.losses if self._executor is not None else {}
@@ -345,12 +340,6 @@ class Engine:
                                          reduce_retracing=True)
         self._apply_fn(sparse)
 
-    def held_bytes(self) -> int:
-        """Bytes of model variables this rank holds (its stages only)."""
-        names = {n for s in self.stages for n in self.plan.layers(s)}
-        return sum(int(np.prod(v.shape)) * v.dtype_size_bytes()
-                   if hasattr(v, "dtype_size_bytes") else int(np.prod(v.shape)) * 4
-                   for v in self.traced.variables_of(names))
 
 
 def _watched(what: str) -> Any:
