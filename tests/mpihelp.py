@@ -158,6 +158,22 @@ def _split_ranks(text: str, result: dict[int, list[str]], prefixed: bool) -> Non
             result.setdefault(int(m.group(1)), []).append(line)
 
 
+# Open MPI 5's launcher occasionally fails to bind its PMIx listener socket on a busy machine
+# (open-mpi/ompi#1986, lfortran/lfortran#8610): it prints one of these and exits at once,
+# before any rank exists. Nothing of the job ran, so launching again is safe.
+_LAUNCHER_STARTUP_FAILURES = (
+    "The PMIx server's listener thread failed to start",
+    "PMIx_server_init failed",
+)
+LAUNCH_ATTEMPTS = 3
+
+
+def launcher_never_started(returncode: int, out: str, err: str) -> bool:
+    """True when mpirun died of a known transient start-up failure before any rank ran."""
+    return (returncode != 0 and not out.strip()
+            and any(sig in err for sig in _LAUNCHER_STARTUP_FAILURES))
+
+
 def run_mpi(np: int, argv: Sequence[str | os.PathLike[str]], *,
             config: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
             timeout: float = 120.0, launcher: str = "mpirun",
@@ -183,17 +199,23 @@ def run_mpi(np: int, argv: Sequence[str | os.PathLike[str]], *,
     job_env = base_env(env)
     if launcher == "horovodrun" and config is not None:  # horovodrun forwards the environment
         job_env["SM_HP_MP_PARAMETERS"] = json.dumps(dict(config))
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=job_env, cwd=REPO_ROOT, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, err = proc.communicate()
-        partial = Result(cmd, -9, out or "", err or "", time.monotonic() - start)
-        raise MpiTimeout(f"job exceeded its {timeout:.0f} s timeout and was killed\n"
-                         f"{partial.describe()}") from None
+    for attempt in range(LAUNCH_ATTEMPTS):
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=job_env, cwd=REPO_ROOT, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, err = proc.communicate()
+            partial = Result(cmd, -9, out or "", err or "", time.monotonic() - start)
+            raise MpiTimeout(f"job exceeded its {timeout:.0f} s timeout and was killed\n"
+                             f"{partial.describe()}") from None
+        if not launcher_never_started(proc.returncode, out, err):
+            break
+        print(f"mpihelp: the launcher failed before starting any rank (attempt {attempt + 1} of "
+              f"{LAUNCH_ATTEMPTS}); retrying:\n{err.strip()}", file=sys.stderr)
+        time.sleep(0.5 * (attempt + 1))
     stdout_ranks: dict[int, list[str]] = {}
     stderr_ranks: dict[int, list[str]] = {}
     _split_ranks(out, stdout_ranks, prefixed=False)

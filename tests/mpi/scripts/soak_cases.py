@@ -37,8 +37,7 @@ def rss_mb() -> float:
 def trace_counts(dm: tfsmp.DistributedModel) -> dict[str, int]:
     """Traces so far of every tf.function a training step runs on this rank."""
     engine = dm._engine
-    fns: dict[str, Any] = {"apply": engine._apply_fn, "finite": engine._finite_fn,
-                           "metrics": dm._metrics_fn}
+    fns: dict[str, Any] = {"apply": engine._apply_fn, "metrics": dm._metrics_fn}
     for s, prog in engine.programs.items():
         for name in ("_fwd", "_bwd_recompute", "_fused", "_accumulate", "_finite"):
             fns[f"stage{s}{name}"] = getattr(prog, name)
