@@ -21,6 +21,7 @@ stages) hand tensors over in memory under the same key.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,50 @@ def _wire(buf: np.ndarray) -> np.ndarray:
     return buf.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[buf.dtype.itemsize])
 
 
+def host_view(t: tf.Tensor) -> np.ndarray:
+    """The tensor's host memory as a read-only array, without a copy where TF allows it.
+
+    A memoryview of a CPU EagerTensor exports its buffer (and keeps the tensor alive while the
+    array lives, so the send may complete later); `.numpy()` would copy it. Types the buffer
+    protocol does not describe (bfloat16), and tensors on other devices, are copied.
+    """
+    try:
+        arr = np.asarray(memoryview(t))
+    except (TypeError, ValueError, NotImplementedError):
+        return np.ascontiguousarray(t.numpy())
+    if arr.dtype != t.dtype.as_numpy_dtype or not arr.flags.c_contiguous:
+        return np.ascontiguousarray(t.numpy())
+    return arr
+
+
+_ALIGN = 64  # TensorFlow's CPU allocator alignment (EIGEN_MAX_ALIGN_BYTES)
+_DLPACK_KINDS = "biuf"  # numpy kinds DLPack carries (bool, ints, floats) -- not ml_dtypes
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on a 64-byte boundary."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    offset = -raw.ctypes.data % _ALIGN
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def as_tensor(buf: np.ndarray) -> tf.Tensor:
+    """A tensor of a received buffer: aliasing it through DLPack where the type allows
+    (see [Note: receive buffers]), else a copy."""
+    if buf.dtype.kind in _DLPACK_KINDS and buf.ctypes.data % _ALIGN == 0:
+        return tf.experimental.dlpack.from_dlpack(buf.__dlpack__())
+    return tf.convert_to_tensor(buf)
+
+
+def held(buf: np.ndarray, extra: int = 0) -> bool:
+    """True while something besides its owner references ``buf`` (a DLPack tensor does).
+
+    The references counted: the owner's (a dict or attribute), the caller's name, this
+    argument and getrefcount's own, plus ``extra`` more the caller knows of."""
+    return sys.getrefcount(buf) > 4 + extra
+
+
 @dataclass
 class _Pending:
     boundaries: list[Boundary]
@@ -95,6 +140,8 @@ class Executor:
         self.tracer = tracer
         self.rank_tag = rank_tag
         self.current: Any = None
+        self._pool: dict[tuple[Any, ...], np.ndarray] = {}  # [Note: receive buffers]
+        self._pool_clean = True
         self.watchdog = wd.for_process()  # None outside a multi-rank MPI job
         self._pairs: dict[tuple[int, int], list[Boundary]] = {}
         for b in plan.boundaries:
@@ -122,15 +169,32 @@ class Executor:
     def _tag(self, b: Boundary, consumer: int, mb: int, backward: bool) -> int:
         return message_tag(b.index, consumer, mb, backward, self.plan.num_stages, self.m)
 
-    def _buffer(self, b: Boundary, mb_size: int) -> np.ndarray:
+    def _buffer(self, key: tuple[Any, ...], b: Boundary, mb_size: int) -> np.ndarray:
+        """The receive buffer of one message: the one it had last step unless that is taken.
+
+        [Note: receive buffers] A received message becomes a tensor without a copy: the buffer
+        is 64-byte aligned and handed to TensorFlow through DLPack, so the tensor aliases it.
+        Fresh buffers every step would cost page faults (2-5x the transfer itself) and a copy
+        into a TF tensor costs as much again (`benchmarks/bench_p2p.py`), so each message of
+        the schedule keeps its buffer from step to step, reused only when no tensor holds it
+        any more: a tensor made through DLPack keeps a reference to its array until TensorFlow
+        frees the tensor, so the array's reference count says whether it is free. A buffer still
+        held (an output the user kept, say) is left to its tensor and the message gets a new
+        one. Types DLPack cannot carry (bfloat16) are copied into a tensor when received, so
+        their buffers are always free. A step that ended early (an exception) may leave
+        receives posted into its buffers, so the next step starts a new pool.
+        """
         if any(d is None for d in b.shape):
             raise StepError(
                 f"{self.rank_tag} Tensors crossing stages need fully known per-sample shapes. "
                 f"Received: '{b.tensor}' with shape {b.shape}. Give the model's Input a fixed "
                 f"shape, or partition so that this tensor stays inside one stage.")
-        dtype = tf.as_dtype(b.dtype).as_numpy_dtype
+        dtype = np.dtype(tf.as_dtype(b.dtype).as_numpy_dtype)
         shape = (mb_size, *(int(d) for d in b.shape if d is not None))
-        return np.empty(shape, dtype=dtype)
+        buf = self._pool.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype or held(buf):
+            buf = self._pool[key] = aligned_empty(shape, dtype)
+        return buf
 
     def _wait(self, requests: list[Any], what: str) -> None:
         """Waits for requests, polling so that a stall is diagnosed instead of hanging.
@@ -185,6 +249,9 @@ class Executor:
         dog = self.watchdog
         if dog is not None:
             dog.step_begin()
+        if not self._pool_clean:  # the last step ended early: its receives may still be posted
+            self._pool = {}
+        self._pool_clean = False
         self._post_receives()
         for action in self.actions:
             self.current = action
@@ -198,6 +265,7 @@ class Executor:
         self.current = "waiting for sends"
         self._wait([r for r, _ in self.sends], "sends to complete")
         self.sends.clear()
+        self._pool_clean = not self.posted
         if dog is not None:
             dog.step_end()
         return self.result
@@ -211,7 +279,8 @@ class Executor:
             producer, consumer = (a.stage, a.peer) if backward else (a.peer, a.stage)
             bs = self._pair(producer, consumer, backward)
             size = self.mbs[a.microbatch].size
-            buffers = [self._buffer(b, size) for b in bs]
+            buffers = [self._buffer((op, a.stage, a.peer, a.microbatch, b.index), b, size)
+                       for b in bs]
             src = self._rank(a.peer)
             reqs = [self.group.irecv(_wire(buf), src, self._tag(b, consumer, a.microbatch, backward))
                     for b, buf in zip(bs, buffers)]
@@ -223,7 +292,7 @@ class Executor:
             self.mailbox[(kind, peer, stage, mb)] = tensors
             return
         for b, t in zip(bs, tensors):
-            buf = _wire(np.ascontiguousarray(t.numpy()))
+            buf = _wire(host_view(t))
             req = self.group.isend(buf, self._rank(peer), self._tag(b, consumer, mb, kind == "RECV_B"))
             self.sends.append((req, buf))
 
@@ -235,7 +304,7 @@ class Executor:
         pending = self.posted.pop((kind, a.stage, a.peer, a.microbatch))
         self._wait(pending.requests, f"{'gradients' if kind == 'RECV_B' else 'activations'} of "
                    f"microbatch {a.microbatch} from stage {a.peer}")
-        return pending.boundaries, [tf.convert_to_tensor(buf) for buf in pending.buffers]
+        return pending.boundaries, [as_tensor(buf) for buf in pending.buffers]
 
     # -- handlers ------------------------------------------------------------------------------
 

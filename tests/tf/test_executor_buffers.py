@@ -1,0 +1,152 @@
+"""The executor's reused receive buffers ([Note: receive buffers] in tfsmp/runtime/executor.py).
+
+A received tensor aliases its buffer (DLPack), so a buffer may be reused only once no tensor
+holds it. These tests run a two-rank transfer-only schedule on the threaded local backend and
+check that a tensor kept from one step keeps its values through later steps, that a dropped
+tensor's buffer is reused, and that every dtype a boundary can carry arrives intact.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfsmp.comm.local import create_local_comms
+from tfsmp.partitioning.plan import Boundary, StagePlan
+from tfsmp.runtime.executor import Executor, MicroBatch, aligned_empty, as_tensor
+from tfsmp.schedule.actions import Action, Op
+from tfsmp.topology import Topology
+
+K = 3  # microbatches per step
+
+
+class _Transfer(Executor):
+    """Rank 0 sends ``payload(step, i)`` forward; rank 1 receives it and keeps the tensors."""
+
+    def __init__(self, group: Any, dtype: str, width: int) -> None:
+        b = Boundary(0, "a:0:0", 0, (1,), (width,), dtype, width * 4)
+        plan = StagePlan(2, {"a": 0, "b": 1}, (b,), (), "test")
+        if group.rank == 0:
+            actions = [Action(0, Op.SEND_F, i, 1) for i in range(K)]
+        else:
+            actions = [a for i in range(K) for a in (Action(1, Op.RECV_F, i, 0),)]
+        super().__init__(actions, {}, plan, group, 2, K)
+        self.dtype, self.width = dtype, width
+        self.got: dict[int, tf.Tensor] = {}
+        self.step_no = 0
+
+    def payload(self, i: int) -> tf.Tensor:
+        values = np.arange(self.width, dtype=np.float64) + 1000 * self.step_no + 10 * i
+        return tf.constant(values.reshape(1, -1).astype(tf.as_dtype(self.dtype).as_numpy_dtype))
+
+    def _post_receives(self) -> None:
+        super()._post_receives()
+        if self.group.rank == 0:
+            for i in range(K):
+                self.produced[(0, i)] = {0: self.payload(i)}
+
+    def _recv_forward(self, a: Any) -> None:
+        _, ts = self._collect("RECV_F", a)
+        self.got[a.microbatch] = ts[0]
+
+    def step(self) -> dict[int, tf.Tensor]:
+        self.got = {}
+        self.run([MicroBatch({}, size=1) for _ in range(K)], train=True)
+        self.step_no += 1
+        return self.got
+
+
+def _pair(dtype: str, width: int = 37) -> tuple[_Transfer, _Transfer]:
+    comms = create_local_comms(Topology(world_size=2, partitions=2), timeout=30)
+    return _Transfer(comms[0].pipeline, dtype, width), _Transfer(comms[1].pipeline, dtype, width)
+
+
+def _steps(pair: tuple[_Transfer, _Transfer], n: int) -> list[dict[int, tf.Tensor]]:
+    """Runs ``n`` steps on both ranks; returns rank 1's received tensors per step."""
+    out: list[dict[int, tf.Tensor]] = []
+    errors: list[BaseException] = []
+
+    def rank0() -> None:
+        try:
+            for _ in range(n):
+                pair[0].step()
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    for _ in range(n):
+        out.append(dict(pair[1].step()))
+    t.join(30)
+    assert not errors, errors
+    return out
+
+
+def _expected(sender: _Transfer, step: int, i: int) -> np.ndarray:
+    saved = sender.step_no
+    sender.step_no = step
+    try:
+        return sender.payload(i).numpy()
+    finally:
+        sender.step_no = saved
+
+
+def test_a_kept_tensor_keeps_its_values_while_later_steps_receive() -> None:
+    pair = _pair("float32")
+    first = _steps(pair, 1)[0]
+    kept = {i: t.numpy().copy() for i, t in first.items()}
+    later = _steps(pair, 3)
+    for i, t in first.items():
+        np.testing.assert_array_equal(t.numpy(), kept[i])
+        np.testing.assert_array_equal(t.numpy(), _expected(pair[0], 0, i))
+    for step, got in enumerate(later, start=1):
+        for i, t in got.items():
+            np.testing.assert_array_equal(t.numpy(), _expected(pair[0], step, i))
+
+
+def test_a_buffer_is_reused_once_its_tensor_is_gone_and_replaced_while_held() -> None:
+    pair = _pair("float32")
+    held = _steps(pair, 1)[0]
+    pool_before = {k: id(v) for k, v in pair[1]._pool.items()}
+    _steps(pair, 1)  # `held` still references step 0's buffers: new ones are made
+    pool_held = {k: id(v) for k, v in pair[1]._pool.items()}
+    assert all(pool_held[k] != pool_before[k] for k in pool_before)
+    del held
+    _steps(pair, 1)  # the last step's tensors were dropped by `_steps`: their buffers return
+    pool_after = {k: id(v) for k, v in pair[1]._pool.items()}
+    assert pool_after == pool_held
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int64",
+                                   "uint8", "bool"])
+def test_every_boundary_dtype_arrives_intact_over_several_steps(dtype: str) -> None:
+    pair = _pair(dtype, width=19)
+    steps = _steps(pair, 3)
+    for step, got in enumerate(steps):
+        for i, t in got.items():
+            assert t.dtype == tf.as_dtype(dtype)
+            np.testing.assert_array_equal(t.numpy(), _expected(pair[0], step, i))
+
+
+def test_aligned_empty_is_aligned_and_as_tensor_aliases_only_dlpack_types() -> None:
+    for dtype in (np.float32, np.int8, np.float64):
+        for shape in ((1, 3), (5, 7, 2), (0, 4)):
+            a = aligned_empty(shape, np.dtype(dtype))
+            assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
+            assert a.ctypes.data % 64 == 0 or a.size == 0
+    a = aligned_empty((2, 4), np.dtype(np.float32))
+    a[:] = 1
+    t = as_tensor(a)
+    a[0, 0] = 5  # aliased: the buffer must not be touched while `t` lives (hence the pool rule)
+    assert float(t[0, 0]) == 5.0
+    b = aligned_empty((2, 4), np.dtype(ml_dtypes.bfloat16))
+    b[:] = 1
+    u = as_tensor(b)  # not a DLPack type: copied
+    b[0, 0] = 5
+    assert float(u[0, 0]) == 1.0
+
