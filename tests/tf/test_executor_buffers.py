@@ -150,3 +150,26 @@ def test_aligned_empty_is_aligned_and_as_tensor_aliases_only_dlpack_types() -> N
     b[0, 0] = 5
     assert float(u[0, 0]) == 1.0
 
+
+def test_fused_reducer_round_trips_mixed_variables_and_reuses_its_buffer() -> None:
+    from tfsmp.runtime.engine import _FusedReducer
+
+    variables = [tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3)),
+                 tf.Variable(np.float32(7.0)),
+                 tf.Variable(np.arange(4, dtype=np.float64) / 3)]
+    before = [v.numpy().copy() for v in variables]
+    for wide in (False, True):
+        reducer = _FusedReducer(variables, wide)
+        flat = reducer.gather()
+        assert flat.dtype == np.float64 and flat.shape == (11,) and flat.ctypes.data % 64 == 0
+        flat *= 2  # what a sum over two identical replicas gives
+        reducer.scatter(flat, 0.5)
+        for v, b in zip(variables, before):
+            assert v.dtype == tf.as_dtype(b.dtype)
+            np.testing.assert_array_equal(v.numpy(), b)
+        del flat  # the test's own reference would (rightly) make the reducer take a new buffer
+        first = id(reducer.buffer)
+        reducer.scatter(reducer.gather(), 1.0)
+        assert id(reducer.buffer) == first  # nothing held the buffer: reused
+    only32 = _FusedReducer(variables[:2], wide=False)
+    assert only32.gather().dtype == np.float32

@@ -73,6 +73,10 @@ class StageProgram:
         self.accumulators = [
             tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False,
                         name=f"acc_{stage}_{i}") for i, v in enumerate(self.trainable)]
+        # [Note: fresh accumulators] The first microbatch of a step *assigns* its weight
+        # gradients and later ones add to them, so accumulators are never zeroed: 0 + g == g
+        # exactly, and this saves a read and a write of every gradient per step.
+        self.fresh = True
         # [Note: sparse gradients] Embedding-like layers get tf.IndexedSlices gradients, which
         # Keras optimizers apply lazily (only the rows present). Accumulating them densely would
         # change Adam's result, so their (values, indices) are kept per microbatch and
@@ -83,6 +87,7 @@ class StageProgram:
         self._loss = loss
         self._stash: dict[int, _Stash] = {}
         self.scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name=f"scale_{stage}")
+        self.scale_value = 1.0  # what `scale` holds, so a step assigns it only on change
         self.loss_scaler: Callable[[tf.Tensor], tf.Tensor] | None = None  # mixed_float16
         compile_fn = (lambda f: tf.function(f, jit_compile=True)) if jit_compile else tf.function
         self._fwd = compile_fn(self._forward_fn)
@@ -111,11 +116,12 @@ class StageProgram:
     def _sources(self, recv: list[tf.Tensor]) -> list[Any]:
         return [v.value for v in self.trainable] + [recv[i] for i in self._diff_recv]
 
-    def _split_grads(self, grads: list[Any], recv: list[tf.Tensor], collect: bool = False
-                     ) -> tuple[list[tf.Tensor], Any]:
-        """Accumulates dense weight gradients; returns gradients for every received boundary and
-        the sparse ones as ``{str(variable index): (values, indices)}`` (with ``collect``: the
-        list of all weight gradients of this microbatch instead)."""
+    def _split_grads(self, grads: list[Any], recv: list[tf.Tensor], collect: bool = False,
+                     first: bool = False) -> tuple[list[tf.Tensor], Any]:
+        """Accumulates dense weight gradients (``first``: assigns them, [Note: fresh
+        accumulators]); returns gradients for every received boundary and the sparse ones as
+        ``{str(variable index): (values, indices)}`` (with ``collect``: the list of all weight
+        gradients of this microbatch instead)."""
         n = len(self.trainable)
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
         if collect:
@@ -126,6 +132,8 @@ class StageProgram:
         for i, (acc, g) in enumerate(zip(self.accumulators, grads[:n])):
             if isinstance(g, tf.IndexedSlices):
                 sparse[str(i)] = (tf.cast(g.values, acc.dtype), g.indices)
+            elif first:
+                acc.assign(tf.cast(g, acc.dtype))
             else:
                 acc.assign_add(tf.cast(g, acc.dtype))
         out = [tf.zeros_like(r) for r in recv]
@@ -144,7 +152,8 @@ class StageProgram:
         return self._run(inputs, recv, training)[0]
 
     def _backward_recompute_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor],
-                               dys: list[tf.Tensor], state: list[tf.Tensor], collect: bool) -> Any:
+                               dys: list[tf.Tensor], state: list[tf.Tensor], collect: bool,
+                               first: bool) -> Any:
         current = [tf.identity(v.value) for v in self.non_trainable]
         for v, s in zip(self.non_trainable, state):
             v.assign(s)
@@ -156,10 +165,10 @@ class StageProgram:
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         for v, c in zip(self.non_trainable, current):
             v.assign(c)
-        return self._split_grads(grads, recv, collect)
+        return self._split_grads(grads, recv, collect, first)
 
-    def _fused_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], y: Any, sample_weight: Any
-                  ) -> tuple[tf.Tensor, list[tf.Tensor], Any]:
+    def _fused_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], y: Any, sample_weight: Any,
+                  first: bool) -> tuple[tf.Tensor, list[tf.Tensor], Any]:
         with tf.GradientTape() as tape:
             tape.watch([recv[i] for i in self._diff_recv])
             _, outputs = self._run(inputs, recv, True)
@@ -169,7 +178,7 @@ class StageProgram:
                 scaled = self.loss_scaler(scaled)
         grads = tape.gradient(scaled, self._sources(recv),
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return loss, outputs, self._split_grads(grads, recv)
+        return loss, outputs, self._split_grads(grads, recv, first=first)
 
     def _eval_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool = False
                  ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
@@ -184,10 +193,20 @@ class StageProgram:
         if self.track_finite and self.nonfinite_microbatch is None and not bool(self._finite()):
             self.nonfinite_microbatch = i
 
-    def _accumulate_fn(self, grads: list[tf.Tensor]) -> None:
+    def _accumulate_fn(self, grads: list[tf.Tensor], first: bool) -> None:
         for acc, g in zip(self.accumulators, grads):
-            if g is not None:
+            if g is None:
+                continue
+            if first:
+                acc.assign(tf.cast(g, acc.dtype))
+            else:
                 acc.assign_add(tf.cast(g, acc.dtype))
+
+    def _take_fresh(self) -> bool:
+        """Whether this microbatch is the step's first to write the accumulators (and from now
+        on, not)."""
+        first, self.fresh = self.fresh, False
+        return first
 
     # -- what the executor calls ---------------------------------------------------------------
 
@@ -232,14 +251,15 @@ class StageProgram:
                 else:
                     dense.append(g)
             if n:
-                self._accumulate(dense)
+                self._accumulate(dense, self._take_fresh())
             self._note_finite(i)
             out = [tf.zeros_like(r) for r in st.recv]
             for j, k in enumerate(self._diff_recv):
                 out[k] = tf.convert_to_tensor(grads[n + j])
             return out
+        first = False if self.collect else self._take_fresh()
         recv_grads, extra = self._bwd_recompute(st.inputs, st.recv, dys, st.state or [],
-                                                self.collect)
+                                                self.collect, first)
         if self.collect:
             self.collected[i] = list(extra)
             return list(recv_grads)
@@ -250,7 +270,8 @@ class StageProgram:
     def forward_backward_last(self, i: int, inputs: list[tf.Tensor], recv: list[tf.Tensor],
                               y: Any, sample_weight: Any) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """Last stage: forward, loss and backward in one call. Returns (loss, model outputs)."""
-        loss, outputs, (recv_grads, sparse) = self._fused(inputs, recv, y, sample_weight)
+        loss, outputs, (recv_grads, sparse) = self._fused(inputs, recv, y, sample_weight,
+                                                          self._take_fresh())
         self._keep_sparse(sparse)
         self._note_finite(i)
         self._stash[i] = _Stash(inputs, recv, recv_grads=list(recv_grads))
@@ -278,8 +299,8 @@ class StageProgram:
         self._stash[i] = _Stash(inputs, recv, recv_grads=out)
 
     def reset_accumulators(self) -> None:
-        for acc in self.accumulators:
-            acc.assign(tf.zeros_like(acc))
+        """Starts a new step: the next microbatch overwrites the accumulators."""
+        self.fresh = True
         self.sparse_parts.clear()
         self.nonfinite_microbatch = None
         self.collected.clear()
