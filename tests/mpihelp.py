@@ -58,7 +58,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tfsmp.launch.mpirun import TAG_OUTPUT_PATTERN, build_mpirun_command, find_mpirun
+from tfsmp.launch.mpirun import (
+    TAG_OUTPUT_PATTERN,
+    build_mpirun_command,
+    find_mpirun,
+    launcher_never_started,
+)
 
 __all__ = ["REPO_ROOT", "SCRIPTS", "MpiTimeout", "Result", "assert_ok", "base_env",
            "run_cases", "run_mpi"]
@@ -158,20 +163,7 @@ def _split_ranks(text: str, result: dict[int, list[str]], prefixed: bool) -> Non
             result.setdefault(int(m.group(1)), []).append(line)
 
 
-# Open MPI 5's launcher occasionally fails to bind its PMIx listener socket on a busy machine
-# (open-mpi/ompi#1986, lfortran/lfortran#8610): it prints one of these and exits at once,
-# before any rank exists. Nothing of the job ran, so launching again is safe.
-_LAUNCHER_STARTUP_FAILURES = (
-    "The PMIx server's listener thread failed to start",
-    "PMIx_server_init failed",
-)
-LAUNCH_ATTEMPTS = 3
-
-
-def launcher_never_started(returncode: int, out: str, err: str) -> bool:
-    """True when mpirun died of a known transient start-up failure before any rank ran."""
-    return (returncode != 0 and not out.strip()
-            and any(sig in err for sig in _LAUNCHER_STARTUP_FAILURES))
+LAUNCH_ATTEMPTS = 3  # [Note: launcher start-up failures] in tfsmp/launch/mpirun.py
 
 
 def run_mpi(np: int, argv: Sequence[str | os.PathLike[str]], *,
@@ -211,7 +203,7 @@ def run_mpi(np: int, argv: Sequence[str | os.PathLike[str]], *,
             partial = Result(cmd, -9, out or "", err or "", time.monotonic() - start)
             raise MpiTimeout(f"job exceeded its {timeout:.0f} s timeout and was killed\n"
                              f"{partial.describe()}") from None
-        if not launcher_never_started(proc.returncode, out, err):
+        if not launcher_never_started(proc.returncode, err, out):
             break
         print(f"mpihelp: the launcher failed before starting any rank (attempt {attempt + 1} of "
               f"{LAUNCH_ATTEMPTS}); retrying:\n{err.strip()}", file=sys.stderr)

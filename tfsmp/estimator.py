@@ -45,7 +45,7 @@ from typing import IO, Any
 
 from tfsmp.errors import ConfigError
 from tfsmp.launch import sagemaker as sm
-from tfsmp.launch.mpirun import TAG_OUTPUT_PATTERN, find_mpirun
+from tfsmp.launch.mpirun import TAG_OUTPUT_PATTERN, find_mpirun, launcher_never_started
 
 __all__ = ["Estimator", "LocalTrainingJob", "TensorFlow", "UnexpectedStatusException",
            "get_execution_role"]
@@ -305,6 +305,9 @@ class LocalTrainingJob:
     _timer: threading.Timer | None = field(default=None, repr=False)
     _timed_out: bool = False
     _finished: bool = False
+    _relaunches: int = 0
+    _echo: bool = False
+    _log_start: int = 0
 
     @property
     def job_name(self) -> str:
@@ -333,6 +336,9 @@ class LocalTrainingJob:
 
     def start(self, logs: bool) -> None:
         """Launches the command(s); output goes to job.log (and to stdout if `logs`)."""
+        self._echo = logs
+        self._log_start = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
+        self._procs, self._threads = [], []
         log = self._log = open(self.log_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - wait() closes it
         lock = threading.Lock()
         tags = [f"[{host}] " for host in self.plan.hosts] if not self.plan.mpi and \
@@ -398,6 +404,9 @@ class LocalTrainingJob:
             self._log.close()
         codes = [p.wait() for p in self._procs]
         self.returncode = next((c for c in codes if c != 0), 0)
+        if self._relaunch():
+            self.wait(logs)
+            return
         if self._timed_out:
             self._finish("Stopped", "MaxRuntimeExceeded")
             warnings.warn(f"Training job {self.job_name} exceeded max_run={self.max_run:g} s and "
@@ -408,6 +417,23 @@ class LocalTrainingJob:
             self._finish("Completed", "Completed")
         else:
             self._fail()
+
+    def _relaunch(self) -> bool:
+        """Launches the job again if its MPI launcher died before any rank ran ([Note: launcher
+        start-up failures] in tfsmp/launch/mpirun.py); at most twice."""
+        if self._timed_out or self.returncode == 0 or self._relaunches >= 2 or not self.plan.mpi:
+            return False
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            f.seek(self._log_start)
+            attempt_output = f.read()
+        if not launcher_never_started(self.returncode, attempt_output):
+            return False
+        self._relaunches += 1
+        with open(self.log_path, "a", encoding="utf-8") as f:
+            f.write("tfsmp: the MPI launcher failed before starting any rank (a transient Open "
+                    "MPI start-up failure); launching the job again.\n")
+        self.start(self._echo)
+        return True
 
     def _finish(self, status: str, secondary: str) -> None:
         if self._finished:

@@ -150,6 +150,7 @@ def test_a_failed_rank_raises_with_its_error(tmp_path: Path) -> None:
     failure = (tmp_path / "jobs" / "fails" / "output" / "failure").read_text()
     assert 'ErrorMessage "[rank 2] ValueError: boom on rank 2"' in failure
     assert est.model_data is None
+    assert "launching the job again" not in est.logs()  # a rank ran: never relaunched
 
 
 def test_max_run_stops_the_job_and_keeps_the_model(tmp_path: Path) -> None:
@@ -181,6 +182,38 @@ def test_fit_without_wait_then_wait(tmp_path: Path) -> None:
     assert job is not None and est.model_data is None
     job.wait()
     assert job.status == "Completed" and est.model_data is not None
+
+
+FLAKY_LAUNCHER = """#!/bin/sh
+# Fails like Open MPI's launcher when its PMIx listener cannot bind (the first call), then runs
+# the real mpirun: [Note: launcher start-up failures] in tfsmp/launch/mpirun.py.
+if [ ! -e "{marker}" ]; then
+  touch "{marker}"
+  echo "--------------------------------------------------------------------------" >&2
+  echo "The PMIx server's listener thread failed to start. We cannot" >&2
+  echo "continue." >&2
+  exit 213
+fi
+exec "{mpirun}" "$@"
+"""
+
+
+def test_a_launcher_that_dies_before_any_rank_is_launched_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tfsmp.estimator as estimator_module
+    from tfsmp.launch.mpirun import find_mpirun
+
+    launcher = tmp_path / "mpirun"
+    launcher.write_text(FLAKY_LAUNCHER.format(marker=tmp_path / "failed_once", mpirun=find_mpirun()))
+    launcher.chmod(0o755)
+    monkeypatch.setattr(estimator_module, "find_mpirun", lambda *a, **k: str(launcher))
+    est = _estimator(tmp_path, {"mpi": {"enabled": True, "processes_per_host": 2}})
+    est.fit(str(tmp_path / "data"), logs=False, job_name="flaky")
+    log = est.logs()
+    assert "listener thread failed to start" in log and "launching the job again" in log
+    assert sorted(_records(log)) == [0, 1]
+    assert est.latest_training_job is not None
+    assert est.latest_training_job.status == "Completed"
 
 
 def test_generic_estimator_runs_the_same_job(tmp_path: Path) -> None:

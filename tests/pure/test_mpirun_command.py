@@ -178,3 +178,14 @@ def test_horovod_build_env() -> None:
         "HOROVOD_WITHOUT_MXNET": "1", "HOROVOD_WITH_MPI": "1", "HOROVOD_CPU_OPERATIONS": "MPI"}
     assert env["MAKEFLAGS"] == "-j3"
     assert env["PATH"].split(os.pathsep) == [str(Path(sys.executable).parent), "/usr/bin"]
+
+
+def test_only_a_launcher_that_died_before_any_rank_counts_as_never_started() -> None:
+    from tfsmp.launch.mpirun import launcher_never_started
+
+    pmix = ("------\nThe PMIx server's listener thread failed to start. We cannot\ncontinue.\n")
+    assert launcher_never_started(213, pmix)
+    assert not launcher_never_started(0, pmix)
+    assert not launcher_never_started(213, pmix, rank_output="[1,0]<stdout>: hello")
+    assert not launcher_never_started(213, "[1,0]<stderr>: Traceback\n" + pmix)
+    assert not launcher_never_started(1, "Traceback (most recent call last):\nValueError: boom")

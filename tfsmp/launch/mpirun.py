@@ -24,11 +24,35 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["CONFIG_ENV", "TAG_OUTPUT_PATTERN", "build_mpirun_command", "find_mpirun"]
+__all__ = ["CONFIG_ENV", "TAG_OUTPUT_PATTERN", "build_mpirun_command", "find_mpirun",
+           "launcher_never_started"]
 
 CONFIG_ENV = "SM_HP_MP_PARAMETERS"
 # `--tag-output` prefixes each line of rank R's output as "[<jobid>,R]<stdout>: ".
 TAG_OUTPUT_PATTERN = r"^\[\d+,(\d+)\]<(stdout|stderr)>: ?(.*)$"
+
+
+# [Note: launcher start-up failures] Open MPI 5's launcher occasionally fails to bind its PMIx
+# listener on a busy machine (open-mpi/ompi#1986, lfortran/lfortran#8610; seen once in ~150
+# test launches here): it prints one of these and exits at once, before any rank exists.
+# Nothing of the job ran, so launching it again is safe.
+LAUNCHER_STARTUP_FAILURES = (
+    "The PMIx server's listener thread failed to start",
+    "PMIx_server_init failed",
+)
+
+
+def launcher_never_started(returncode: int | None, output: str, rank_output: str = "") -> bool:
+    """True when mpirun died of a known transient start-up failure before any rank ran.
+
+    Args:
+        returncode: mpirun's exit code.
+        output: what mpirun printed (stderr, or stdout and stderr together).
+        rank_output: what the ranks printed, if kept apart (must be empty).
+    """
+    return (returncode not in (0, None) and not rank_output.strip()
+            and any(sig in output for sig in LAUNCHER_STARTUP_FAILURES)
+            and not any(line.startswith("[") and "]<std" in line for line in output.splitlines()))
 
 
 def find_mpirun(python: str = sys.executable) -> str:
