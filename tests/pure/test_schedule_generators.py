@@ -19,10 +19,15 @@ from tfsmp.schedule import (
 )
 
 
-def test_simple_runs_every_forward_before_any_backward() -> None:
-    assert format_schedule(generate("simple", 2, 3)) == (
+def test_simple_runs_every_forward_before_any_backward_but_on_the_last_stage() -> None:
+    # [Note: last stage in simple]: the last stage's backward follows its forward.
+    assert format_schedule(generate("simple", 3, 3)) == (
         "0: 0F0 0F1 0F2 0B0 0B1 0B2\n"
-        "1: 1F0 1F1 1F2 1B0 1B1 1B2")
+        "1: 1F0 1F1 1F2 1B0 1B1 1B2\n"
+        "2: 2F0 2B0 2F1 2B1 2F2 2B2")
+    assert format_schedule(generate("simple", 2, 2, virtual_stages=2)) == (
+        "0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1\n"
+        "1: 1F0 1F1 3F0 3F1 3B0 3B1 1B0 1B1")
 
 
 def test_interleaved_warms_up_p_minus_r_minus_1_forwards_then_alternates() -> None:
@@ -48,7 +53,7 @@ def test_one_microbatch_and_one_rank_degenerate_to_forward_then_backward(pipelin
 def test_peak_activations_are_m_for_simple_and_p_minus_r_for_interleaved() -> None:
     for p in range(1, 7):
         for m in range(1, 13):
-            assert peak_activations(generate("simple", p, m)) == [m] * p
+            assert peak_activations(generate("simple", p, m)) == [m] * (p - 1) + [1]
             assert peak_activations(generate("interleaved", p, m)) == [
                 min(p - r, m) for r in range(p)]
 
@@ -67,7 +72,7 @@ def test_active_microbatches_caps_microbatches_in_flight(pipeline: str, p: int, 
 def test_active_microbatches_turns_simple_into_waves() -> None:
     assert format_schedule(generate("simple", 2, 4, active_microbatches=2)) == (
         "0: 0F0 0F1 0B0 0B1 0F2 0F3 0B2 0B3\n"
-        "1: 1F0 1F1 1B0 1B1 1F2 1F3 1B2 1B3")
+        "1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3")
 
 
 def test_active_microbatches_shortens_interleaved_warm_up() -> None:
