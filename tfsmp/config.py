@@ -251,8 +251,7 @@ _PARAMS: list[Param] = [
     Param("pipeline", "str", "interleaved", "interleaved, simple", sdk=True,
           choices=("interleaved", "simple"), check=_choice("simple", "interleaved"), help=(
               "Schedule. interleaved: a backward pass runs as soon as it can (1F1B); simple: all "
-              "forward passes, then all backward passes (GPipe; the last stage's backward "
-              "follows its forward).")),
+              "forward passes, then all backward passes (GPipe).")),
     Param("optimize", "str", "memory", "speed, memory", sdk=True, choices=("speed", "memory"),
           check=_choice("speed", "memory"), help=(
               "speed: balance compute across stages, keep activations between forward and backward; "

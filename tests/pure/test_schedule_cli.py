@@ -28,11 +28,10 @@ def test_json_output_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["peak_activations"] == [11, 9, 7, 5]
 
 
-def test_simple_holds_every_microbatch_but_on_the_last_stage(
-        capsys: pytest.CaptureFixture[str]) -> None:
+def test_simple_holds_every_microbatch(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["schedule", "-p", "4", "-m", "8", "--pipeline", "simple", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["peak_activations"] == [8, 8, 8, 1]
+    assert data["peak_activations"] == [8, 8, 8, 8]
     assert data["bubble_fraction"] == pytest.approx(3 / 11)
 
 

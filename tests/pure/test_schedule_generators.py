@@ -11,23 +11,20 @@ import pytest
 from tfsmp.errors import ScheduleError
 from tfsmp.schedule import (
     format_schedule,
+    fuse_last_stage,
     generate,
     lower,
     peak_activations,
     peak_in_flight,
+    simulate,
     validate,
 )
 
 
-def test_simple_runs_every_forward_before_any_backward_but_on_the_last_stage() -> None:
-    # [Note: last stage in simple]: the last stage's backward follows its forward.
-    assert format_schedule(generate("simple", 3, 3)) == (
+def test_simple_runs_every_forward_before_any_backward() -> None:
+    assert format_schedule(generate("simple", 2, 3)) == (
         "0: 0F0 0F1 0F2 0B0 0B1 0B2\n"
-        "1: 1F0 1F1 1F2 1B0 1B1 1B2\n"
-        "2: 2F0 2B0 2F1 2B1 2F2 2B2")
-    assert format_schedule(generate("simple", 2, 2, virtual_stages=2)) == (
-        "0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1\n"
-        "1: 1F0 1F1 3F0 3F1 3B0 3B1 1B0 1B1")
+        "1: 1F0 1F1 1F2 1B0 1B1 1B2")
 
 
 def test_interleaved_warms_up_p_minus_r_minus_1_forwards_then_alternates() -> None:
@@ -53,7 +50,7 @@ def test_one_microbatch_and_one_rank_degenerate_to_forward_then_backward(pipelin
 def test_peak_activations_are_m_for_simple_and_p_minus_r_for_interleaved() -> None:
     for p in range(1, 7):
         for m in range(1, 13):
-            assert peak_activations(generate("simple", p, m)) == [m] * (p - 1) + [1]
+            assert peak_activations(generate("simple", p, m)) == [m] * p
             assert peak_activations(generate("interleaved", p, m)) == [
                 min(p - r, m) for r in range(p)]
 
@@ -72,7 +69,7 @@ def test_active_microbatches_caps_microbatches_in_flight(pipeline: str, p: int, 
 def test_active_microbatches_turns_simple_into_waves() -> None:
     assert format_schedule(generate("simple", 2, 4, active_microbatches=2)) == (
         "0: 0F0 0F1 0B0 0B1 0F2 0F3 0B2 0B3\n"
-        "1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3")
+        "1: 1F0 1F1 1B0 1B1 1F2 1F3 1B2 1B3")
 
 
 def test_active_microbatches_shortens_interleaved_warm_up() -> None:
@@ -112,3 +109,43 @@ def test_validator_passes_every_generated_schedule_up_to_p8_m32_v4(pipeline: str
                 compute = generate(pipeline, p, m, v)
                 validate(compute)
                 validate(lower(compute, None, p))
+
+
+def test_fuse_last_stage_moves_each_last_stage_backward_to_its_forward() -> None:
+    # [Note: fused last stage]: what the runtime executes.
+    assert format_schedule(fuse_last_stage(generate("simple", 3, 3))) == (
+        "0: 0F0 0F1 0F2 0B0 0B1 0B2\n"
+        "1: 1F0 1F1 1F2 1B0 1B1 1B2\n"
+        "2: 2F0 2B0 2F1 2B1 2F2 2B2")
+    assert format_schedule(fuse_last_stage(generate("simple", 2, 2, virtual_stages=2))) == (
+        "0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1\n"
+        "1: 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1")
+    for p, m in ((1, 1), (2, 5), (4, 8), (3, 2)):
+        plain = generate("interleaved", p, m)
+        assert fuse_last_stage(plain) == plain  # 1F1B already runs them so
+        assert fuse_last_stage(generate("simple", p, m))[p - 1] == plain[p - 1]
+
+
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+def test_fused_schedules_keep_every_action_and_stay_valid(pipeline: str) -> None:
+    for p in (1, 2, 3, 4, 8):
+        for v in (1, 2, 3):
+            for m in (1, 2, 5, 8):
+                for cap in (None, 2):
+                    compute = generate(pipeline, p, m, v, active_microbatches=cap)
+                    fused = fuse_last_stage(compute)
+                    assert {r: sorted(map(str, a)) for r, a in fused.items()} == \
+                        {r: sorted(map(str, a)) for r, a in compute.items()}
+                    validate(fused)
+                    validate(lower(fused, None, p))
+
+
+def test_with_a_fused_last_stage_simple_reaches_the_gpipe_formula() -> None:
+    # Stage times as the runtime has them: the last stage's forward holds its backward.
+    p, m = 2, 8
+    times = {"forward_time": [1.0, 3.0], "backward_time": [2.0, 0.0]}
+    textbook = simulate(generate("simple", p, m), **times)
+    fused = simulate(fuse_last_stage(generate("simple", p, m)), **times)
+    assert fused.makespan < textbook.makespan
+    assert fused.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert textbook.bubble_fraction > 0.3

@@ -61,7 +61,7 @@ def test_when_p_does_not_divide_m_virtual_stages_still_never_idle_more_than_v1()
 
 
 def test_peak_activations_are_m_for_simple_and_at_most_p_minus_r_for_interleaved() -> None:
-    assert simulate(generate("simple", 4, 8)).peak_activations == [8, 8, 8, 1]
+    assert simulate(generate("simple", 4, 8)).peak_activations == [8, 8, 8, 8]
     assert simulate(generate("interleaved", 4, 8)).peak_activations == [4, 3, 2, 1]
     assert simulate(generate("interleaved", 4, 2)).peak_activations == [2, 2, 2, 1]
 

@@ -36,12 +36,12 @@ def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str,
 
 
 def make_schedule(plan: StagePlan, config: Any, data_parallel: bool) -> dict[int, list[Any]]:
-    from tfsmp.schedule.generators import generate
+    from tfsmp.schedule.generators import fuse_last_stage, generate
     from tfsmp.schedule.lowering import lower
 
-    compute = generate(config.pipeline, config.partitions, config.microbatches,
-                       virtual_stages=config.virtual_stages,
-                       active_microbatches=config.active_microbatches)
+    compute = fuse_last_stage(generate(config.pipeline, config.partitions, config.microbatches,
+                                       virtual_stages=config.virtual_stages,
+                                       active_microbatches=config.active_microbatches))
     return lower(compute, plan, config.partitions, data_parallel=data_parallel)
 
 

@@ -317,7 +317,8 @@ def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
                            virtual_stages: int = 1, links: Any = None) -> dict[str, Any]:
     """Measured idle share per rank (median over ``steps``) beside the schedule simulator's
     prediction for the same schedule and the measured per-stage forward/backward times (means,
-    so that every stage's simulated busy time equals its measured one).
+    so that every stage's simulated busy time equals its measured one). The schedule simulated is
+    the one the runtime executes: `fuse_last_stage` of the generated one.
 
     Args:
         steps: training steps from `training_steps` (leave out warm-up steps).
@@ -332,15 +333,15 @@ def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
     Raises:
         ValueError: ``steps`` is empty.
     """
-    from tfsmp.schedule import generate, simulate
+    from tfsmp.schedule import fuse_last_stage, generate, simulate
 
     if not steps:
         raise ValueError("compare_with_simulator needs at least one training step. Received: none.")
     ranks = sorted(steps[0])
     forward, backward = stage_times(steps, "mean")
     m = sum(1 for s in steps[0][ranks[0]] if s.kind == "F" and s.stage == ranks[0])
-    sim = simulate(generate(pipeline, len(ranks), m, virtual_stages), forward_time=forward,
-                   backward_time=backward, links=links)
+    sim = simulate(fuse_last_stage(generate(pipeline, len(ranks), m, virtual_stages)),
+                   forward_time=forward, backward_time=backward, links=links)
     stats = [step_stats(step) for step in steps]
     return {
         "ranks": len(ranks), "microbatches": m, "pipeline": pipeline,

@@ -23,7 +23,7 @@ from tfsmp.schedule.actions import (
     stages_of_rank,
     tag_upper_bound,
 )
-from tfsmp.schedule.generators import PIPELINES, generate
+from tfsmp.schedule.generators import PIPELINES, fuse_last_stage, generate
 from tfsmp.schedule.links import Links, StageLinks
 from tfsmp.schedule.lowering import lower
 from tfsmp.schedule.render import render_ascii, render_staircase, render_timeline
@@ -40,6 +40,7 @@ __all__ = [
     "StageLinks",
     "TimelineEntry",
     "format_schedule",
+    "fuse_last_stage",
     "generate",
     "lower",
     "message_tag",

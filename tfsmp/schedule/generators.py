@@ -18,16 +18,6 @@ actions keeps every wait of the padded schedule, so it stays deadlock-free (a sh
 ordered as is deadlocks, e.g. p = 4, m = 5, v = 3); its bubble lies between the v-chunk formula
 and the one of v = 1.
 
-[Note: last stage in simple] ``simple`` runs every forward of a wave before any backward, except
-on the last stage: its backward follows its own forward at once, as in 1F1B. The runtime fuses
-the last stage's forward, loss and backward into one call, so its activations are never held
-either way; with its backwards after all its forwards (textbook GPipe) its gradients would leave
-only after the m-th forward, and the measured bubble at p = 2, m = 8 was 0.41 instead of the
-formula's 1/9. Moving a backward earlier adds no wait, so the order stays deadlock-free; with
-unfused stage times the makespan is GPipe's (the simulator's tests pin (p-1)/(m+p-1)). With
-virtual stages the last stage's rank holds other chunks too, and there the early backwards
-would delay their forwards when backwards cost time, so ``v > 1`` keeps textbook GPipe.
-
 [Note: warm-up] ``interleaved`` runs ``w`` forwards, then alternates one forward and one backward,
 then drains the backwards. ``w = p - r - 1`` for v = 1 (PipeDream-Flush); for v > 1 Megatron's
 ``w = 2·(p - r - 1) + (v - 1)·g``: the first backward on rank r is chunk v-1's, which needs a
@@ -53,7 +43,7 @@ from collections.abc import Sequence
 from tfsmp.errors import ScheduleError
 from tfsmp.schedule.actions import Action, Op, Schedule
 
-__all__ = ["PIPELINES", "generate"]
+__all__ = ["PIPELINES", "fuse_last_stage", "generate"]
 
 PIPELINES = ("simple", "interleaved")
 
@@ -83,6 +73,41 @@ def generate(pipeline: str, num_ranks: int, num_microbatches: int, virtual_stage
     if pipeline == "simple":
         return {r: _simple(r, p, m, v, cap) for r in range(p)}
     return {r: _interleaved(r, p, m, v, cap) for r in range(p)}
+
+
+def fuse_last_stage(schedule: Schedule) -> Schedule:
+    """The order the runtime executes: each backward of the last stage right after its forward.
+
+    [Note: fused last stage] The runtime computes the last stage's forward, loss and backward in
+    one compiled call at its forward action; its backward action only hands the gradients on.
+    A schedule that runs the last stage's backwards after all its forwards (``simple``, textbook
+    GPipe) would hold those gradients back until the m-th forward, leaving the stage before it
+    idle: measured bubble 0.41 at p = 2, m = 8, where the formula gives 1/9. Moving each such
+    backward to right after its own forward cannot add a wait (it depends on nothing else and
+    its send does not block), so the result stays deadlock-free; ``interleaved`` with v = 1
+    already has this order and is returned unchanged. The schedules of `generate` keep the
+    textbook orders (the simulator's formulas, peak activations m for ``simple``); the runtime
+    and the timeline comparison use this one.
+
+    Args:
+        schedule: compute actions per rank (`generate`'s result).
+
+    Returns:
+        A new schedule with the same actions per rank.
+    """
+    last = max((a.stage for actions in schedule.values() for a in actions), default=0)
+    out: Schedule = {}
+    for rank, actions in schedule.items():
+        late = {a.microbatch for a in actions if a.stage == last and a.op == Op.BACKWARD}
+        order: list[Action] = []
+        for a in actions:
+            if a.stage == last and a.op == Op.BACKWARD and a.microbatch in late:
+                continue
+            order.append(a)
+            if a.stage == last and a.op == Op.FORWARD and a.microbatch in late:
+                order.append(Action(last, Op.BACKWARD, a.microbatch))
+        out[rank] = order
+    return out
 
 
 def _check_args(pipeline: str, p: int, m: int, v: int, a: int | None) -> None:
@@ -115,17 +140,13 @@ def _backward_order(rank: int, p: int, v: int, mbs: Sequence[int], group: int) -
 
 
 def _simple(rank: int, p: int, m: int, v: int, cap: int) -> list[Action]:
-    """GPipe fill-drain, in waves of ``cap`` microbatches; see [Note: last stage in simple]."""
-    last = p - 1 if v == 1 else -1  # see the note for why only without virtual stages
+    """GPipe fill-drain, in waves of ``cap`` microbatches."""
     out: list[Action] = []
     for start in range(0, m, cap):
         wave = range(start, min(start + cap, m))
         group = min(p, len(wave))
-        for a in _forward_order(rank, p, v, wave, group):
-            out.append(a)
-            if a.stage == last:
-                out.append(Action(last, Op.BACKWARD, a.microbatch))
-        out += [a for a in _backward_order(rank, p, v, wave, group) if a.stage != last]
+        out += _forward_order(rank, p, v, wave, group)
+        out += _backward_order(rank, p, v, wave, group)
     return out
 
 
