@@ -99,12 +99,31 @@ def as_tensor(buf: np.ndarray) -> tf.Tensor:
     return tf.convert_to_tensor(buf)
 
 
+def _refcount(buf: np.ndarray) -> int:
+    return sys.getrefcount(buf)
+
+
+def _count_unheld() -> int:
+    """The count `held` sees for an array referenced only by its owner and a caller's name,
+    measured through the same calls (Python versions differ in which references they count)."""
+    owner = {0: np.empty(1, dtype=np.uint8)}
+    buf = owner[0]
+    return _count_through_held(buf)
+
+
+def _count_through_held(buf: np.ndarray) -> int:
+    return _refcount(buf)
+
+
+_UNHELD = _count_unheld()
+
+
 def held(buf: np.ndarray, extra: int = 0) -> bool:
     """True while something besides its owner references ``buf`` (a DLPack tensor does).
 
-    The references counted: the owner's (a dict or attribute), the caller's name, this
-    argument and getrefcount's own, plus ``extra`` more the caller knows of."""
-    return sys.getrefcount(buf) > 4 + extra
+    Call it as ``held(name)`` where ``name`` is a local bound to the owner's array (a dict value
+    or an attribute); ``extra`` is for further references the caller knows of."""
+    return _refcount(buf) > _UNHELD + extra
 
 
 @dataclass
