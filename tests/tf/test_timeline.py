@@ -11,7 +11,7 @@ import pytest
 from tfsmp.launch.cli import main as cli_main
 from tfsmp.runtime import timeline_render as tr
 from tfsmp.runtime.timeline import Tracer, load_events
-from tfsmp.schedule import Op, generate, simulate
+from tfsmp.schedule import Op, fuse_last_stage, generate, simulate
 
 pytestmark = pytest.mark.tf
 
@@ -101,8 +101,10 @@ def test_chrome_trace_has_one_thread_per_rank_and_microsecond_events() -> None:
 
 
 def simulated_events(pipeline: str, p: int, m: int) -> list[dict[str, object]]:
-    """The simulator's own timeline written as tracer events (what a perfect runtime records)."""
-    result = simulate(generate(pipeline, p, m), forward_time=[1.0, 1.5], backward_time=[2.0, 0.5])
+    """The simulator's own timeline written as tracer events (what a perfect runtime records:
+    the runtime executes `fuse_last_stage` of the generated schedule)."""
+    result = simulate(fuse_last_stage(generate(pipeline, p, m)), forward_time=[1.0, 1.5],
+                      backward_time=[2.0, 0.5])
     out = []
     for e in result.timeline:
         kind = e.action.op.value
