@@ -173,3 +173,25 @@ def test_fused_reducer_round_trips_mixed_variables_and_reuses_its_buffer() -> No
         assert id(reducer.buffer) == first  # nothing held the buffer: reused
     only32 = _FusedReducer(variables[:2], wide=False)
     assert only32.gather().dtype == np.float32
+
+
+def test_the_engine_keeps_one_executor_per_schedule_so_buffers_survive_steps() -> None:
+    import tfsmp as smp
+    from benchmarks.tfhelp import dense_stack
+
+    if smp.is_initialized():
+        smp.shutdown()
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    try:
+        smp.init({"partitions": 1, "microbatches": 2})
+        model = smp.DistributedModel(lambda: dense_stack(8, 2, name="kept"))
+        model.compile(optimizer="sgd", loss="mse")
+        model.train_on_batch(x[:16], x[:16])
+        engine = model._engine
+        first = engine._executor
+        model.predict(x[:16], verbose=0)  # an inference schedule gets an executor of its own
+        model.train_on_batch(x[16:], x[16:])
+        assert engine._executor is first and first is not None
+        assert len(engine._executors) == 2
+    finally:
+        smp.shutdown()

@@ -19,6 +19,7 @@ passing its extra flags through `extra_mpi_args` and its variables through `env`
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
@@ -52,7 +53,7 @@ def launcher_never_started(returncode: int | None, output: str, rank_output: str
     """
     return (returncode not in (0, None) and not rank_output.strip()
             and any(sig in output for sig in LAUNCHER_STARTUP_FAILURES)
-            and not any(line.startswith("[") and "]<std" in line for line in output.splitlines()))
+            and re.search(TAG_OUTPUT_PATTERN, output, re.MULTILINE) is None)
 
 
 def find_mpirun(python: str = sys.executable) -> str:

@@ -99,7 +99,8 @@ class Engine:
         self._apply_fn: Any = None
         self._eval_actions: dict[int, list[Action]] = {}
         self._horovod = bool(config.horovod)
-        self._executor: Executor | None = None
+        self._executor: Executor | None = None  # the one that ran the last step
+        self._executors: dict[tuple[int, int], Executor] = {}
         self._reducers: dict[tuple[Any, ...], _FusedReducer] = {}
         self.steps = 0
         self.skipped_steps = 0
@@ -148,18 +149,25 @@ class Engine:
         scale = 1.0 if self.loss_reduction == "sum" else 1.0 / self.m
         scale /= self.dp_size
         for prog in self.programs.values():
-            if prog.scale_value != scale:
-                prog.scale.assign(scale)
-                prog.scale_value = scale
+            prog.scale.assign(scale)
             prog.track_finite = self.m > 1
             prog.reset_accumulators()  # whatever an earlier step left, even one that raised
         mbs = self._microbatches(x, y, sample_weight, self.m)
-        ex = Executor(self._train_actions, self.programs, self.plan, self.comm.pipeline,
-                      self.num_ranks, self.m, stall_timeout=self.config.stall_timeout,
-                      tracer=self._tracer, rank_tag=self.rank_tag)
-        self._executor = ex
+        ex = self._executor = self._executor_for(self._train_actions, self.m)
         self.steps += 1
         return ex.run(mbs, train=True, reduce=self._reduce, step=self._apply)
+
+    def _executor_for(self, actions: list[Action], m: int) -> Executor:
+        """The executor of one schedule, kept from step to step so that its receive buffers are
+        reused ([Note: receive buffers] in tfsmp/runtime/executor.py)."""
+        ex = self._executors.get((id(actions), m))
+        if ex is None:
+            ex = self._executors[(id(actions), m)] = Executor(
+                actions, self.programs, self.plan, self.comm.pipeline, self.num_ranks, m,
+                rank_tag=self.rank_tag)
+        # read each step, as a new executor did: the limit and the tracer may change between steps
+        ex.stall_timeout, ex.tracer = self.config.stall_timeout, self._tracer
+        return ex
 
     def run_step(self, inputs: list[dict[str, Any]], head: Callable[..., Any], train: bool = True
                  ) -> StepResult:
@@ -175,7 +183,6 @@ class Engine:
         for prog in self.programs.values():
             prog.collect = True
             prog.scale.assign(1.0)
-            prog.scale_value = 1.0
             prog.collected.clear()
         m = len(mbs)
         if train:
@@ -185,10 +192,7 @@ class Engine:
                 self._eval_actions[m] = forward_only_schedule(self.plan, self.num_ranks,
                                                               self.pipe_rank, m)
             actions = self._eval_actions[m]
-        ex = Executor(actions, self.programs, self.plan, self.comm.pipeline,
-                      self.num_ranks, m, stall_timeout=self.config.stall_timeout,
-                      tracer=self._tracer, rank_tag=self.rank_tag)
-        self._executor = ex
+        ex = self._executor = self._executor_for(actions, m)
         self.steps += 1
         try:
             return ex.run(mbs, train=train, head=head)
@@ -224,10 +228,7 @@ class Engine:
         mbs = self._microbatches(x, None, None, m)
         if m not in self._eval_actions:
             self._eval_actions[m] = forward_only_schedule(self.plan, self.num_ranks, self.pipe_rank, m)
-        ex = Executor(self._eval_actions[m], self.programs, self.plan, self.comm.pipeline,
-                      self.num_ranks, m, stall_timeout=self.config.stall_timeout,
-                      tracer=self._tracer, rank_tag=self.rank_tag)
-        return ex.run(mbs, train=False)
+        return self._executor_for(self._eval_actions[m], m).run(mbs, train=False)
 
     # -- reduction and optimizer ---------------------------------------------------------------
 
@@ -316,9 +317,7 @@ class Engine:
 
     def _apply(self) -> None:
         if not self._all_finite():
-            self.skipped_steps += 1
-            for prog in self.programs.values():
-                prog.reset_accumulators()
+            self.skipped_steps += 1  # the next step starts from fresh accumulators
             if self._loss_scaled:
                 self.optimizer._stateful_handle_non_finite_grads()
             return

@@ -160,7 +160,7 @@ class Executor:
         self.rank_tag = rank_tag
         self.current: Any = None
         self._pool: dict[tuple[Any, ...], np.ndarray] = {}  # [Note: receive buffers]
-        self._pool_clean = True
+        self.posted: dict[tuple[str, int, int, int], _Pending] = {}
         self.watchdog = wd.for_process()  # None outside a multi-rank MPI job
         self._pairs: dict[tuple[int, int], list[Boundary]] = {}
         for b in plan.boundaries:
@@ -195,7 +195,8 @@ class Executor:
         is 64-byte aligned and handed to TensorFlow through DLPack, so the tensor aliases it.
         Fresh buffers every step would cost page faults (2-5x the transfer itself) and a copy
         into a TF tensor costs as much again (`benchmarks/bench_p2p.py`), so each message of
-        the schedule keeps its buffer from step to step, reused only when no tensor holds it
+        the schedule keeps its buffer from step to step (the engine keeps one executor per
+        schedule, `Engine._executor_for`), reused only when no tensor holds it
         any more: a tensor made through DLPack keeps a reference to its array until TensorFlow
         frees the tensor, so the array's reference count says whether it is free. A buffer still
         held (an output the user kept, say) is left to its tensor and the message gets a new
@@ -252,13 +253,15 @@ class Executor:
         """Runs the actions once. ``head(i, program, inputs, recv, microbatch)``, if given,
         replaces the last stage's fused loss (it must call `program.finish_head`) and its return
         value is kept in ``result.outputs[i]``."""
+        if self.posted:  # the last step ended early: its receives may still be posted
+            self._pool = {}
         self.head = head
         self.mbs = microbatches
         self.train = train
         self.reduce_fn = reduce
         self.step_fn = step
         self.result = StepResult()
-        self.posted: dict[tuple[str, int, int, int], _Pending] = {}
+        self.posted = {}
         self.mailbox: dict[tuple[str, int, int, int], list[tf.Tensor]] = {}
         self.received: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
         self.produced: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
@@ -268,9 +271,6 @@ class Executor:
         dog = self.watchdog
         if dog is not None:
             dog.step_begin()
-        if not self._pool_clean:  # the last step ended early: its receives may still be posted
-            self._pool = {}
-        self._pool_clean = False
         self._post_receives()
         for action in self.actions:
             self.current = action
@@ -284,7 +284,6 @@ class Executor:
         self.current = "waiting for sends"
         self._wait([r for r, _ in self.sends], "sends to complete")
         self.sends.clear()
-        self._pool_clean = not self.posted
         if dog is not None:
             dog.step_end()
         return self.result

@@ -34,6 +34,15 @@ def is_differentiable(dtype: str) -> bool:
     return dtype in ("float16", "bfloat16", "float32", "float64")
 
 
+def _accumulate_into(acc: tf.Variable, g: tf.Tensor, first: bool) -> None:
+    """``acc = g`` for the step's first microbatch, else ``acc += g`` ([Note: fresh
+    accumulators])."""
+    if first:
+        acc.assign(tf.cast(g, acc.dtype))
+    else:
+        acc.assign_add(tf.cast(g, acc.dtype))
+
+
 @dataclass
 class _Stash:
     inputs: list[tf.Tensor]
@@ -87,7 +96,6 @@ class StageProgram:
         self._loss = loss
         self._stash: dict[int, _Stash] = {}
         self.scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name=f"scale_{stage}")
-        self.scale_value = 1.0  # what `scale` holds, so a step assigns it only on change
         self.loss_scaler: Callable[[tf.Tensor], tf.Tensor] | None = None  # mixed_float16
         compile_fn = (lambda f: tf.function(f, jit_compile=True)) if jit_compile else tf.function
         self._fwd = compile_fn(self._forward_fn)
@@ -132,10 +140,8 @@ class StageProgram:
         for i, (acc, g) in enumerate(zip(self.accumulators, grads[:n])):
             if isinstance(g, tf.IndexedSlices):
                 sparse[str(i)] = (tf.cast(g.values, acc.dtype), g.indices)
-            elif first:
-                acc.assign(tf.cast(g, acc.dtype))
             else:
-                acc.assign_add(tf.cast(g, acc.dtype))
+                _accumulate_into(acc, g, first)
         out = [tf.zeros_like(r) for r in recv]
         for j, i in enumerate(self._diff_recv):
             out[i] = tf.convert_to_tensor(grads[n + j])
@@ -195,12 +201,8 @@ class StageProgram:
 
     def _accumulate_fn(self, grads: list[tf.Tensor], first: bool) -> None:
         for acc, g in zip(self.accumulators, grads):
-            if g is None:
-                continue
-            if first:
-                acc.assign(tf.cast(g, acc.dtype))
-            else:
-                acc.assign_add(tf.cast(g, acc.dtype))
+            if g is not None:
+                _accumulate_into(acc, g, first)
 
     def _take_fresh(self) -> bool:
         """Whether this microbatch is the step's first to write the accumulators (and from now
