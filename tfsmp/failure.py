@@ -4,8 +4,9 @@ Under `mpirun python train.py`, an exception on one rank would otherwise hang th
 ranks wait in a receive or barrier forever, and the failing rank's own atexit `MPI_Finalize` blocks
 (horovod.md §4). `install()` replaces `sys.excepthook` and `threading.excepthook` so that every
 launch path (`tfsmp run`, `mpirun python`, `mpirun python -m mpi4py`, `horovodrun`) behaves like
-`python -m mpi4py`: the traceback is printed with every line tagged `[rank 3 | stage 1]`, stderr
-is flushed, and all ranks are aborted with exit code 1.
+`python -m mpi4py`: a line naming the host and pid (`[rank 3 | stage 1] failed on host algo-2
+(pid 4242); aborting the job`), then the traceback with every line tagged `[rank 3 | stage 1]`, are
+printed, stderr is flushed, and all ranks are aborted with exit code 1.
 
 Example::
 
@@ -14,6 +15,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import threading
 import traceback
@@ -63,11 +66,17 @@ def abort_job(code: int = 1) -> None:
         sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
 
 
+def _where(tag: str) -> str:
+    """The host and pid line: across hosts, a rank number alone does not say where to look."""
+    return f"[{tag}] failed on host {socket.gethostname()} (pid {os.getpid()}); aborting the job\n"
+
+
 def _report(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None,
             thread: str | None = None) -> None:
     with _lock:  # two threads failing at once must not interleave their lines
         try:
-            sys.stderr.write(format_tagged(exc_type, exc, tb, _safe_tag(), thread))
+            tag = _safe_tag()
+            sys.stderr.write(_where(tag) + format_tagged(exc_type, exc, tb, tag, thread))
             sys.stderr.flush()
         except Exception:
             pass

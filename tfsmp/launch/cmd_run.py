@@ -5,6 +5,13 @@ Example::
     tfsmp run -np 4 --config '{"partitions": 2, "microbatches": 8}' train.py --epochs 3
     tfsmp run --distribution '{"smdistributed": {"modelparallel": {"enabled": true,
         "parameters": {"partitions": 2}}}, "mpi": {"enabled": true, "processes_per_host": 4}}' train.py
+    tfsmp run --hosts algo-1:2,algo-2:2 --config '{"partitions": 2}' train.py   # -np 4
+
+Across hosts, the ranks of other hosts get the environment they need (see [Note: remote
+environment] in `tfsmp.launch.hosts`) and Open MPI's TCP traffic goes over one interface, chosen
+as the SageMaker toolkit does (`--network-interface`, else `SM_NETWORK_INTERFACE_NAME`, else the
+interface of the route to the hosts). Each rank runs under `tfsmp.launch.rankguard`, so a rank
+killed by a signal is reported with its host ([Note: who died] there).
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["parse_distribution", "register", "resolve_launch", "run"]
+if TYPE_CHECKING:
+    from tfsmp.launch.hosts import HostSlots
+
+__all__ = ["parse_distribution", "register", "resolve_hosts", "resolve_launch", "run"]
 
 
 def parse_distribution(text: str) -> tuple[dict[str, Any], int | None]:
@@ -63,13 +73,54 @@ def resolve_launch(args: argparse.Namespace,
     return np, config_json
 
 
-def resolve_launch_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None
+def resolve_hosts(args: argparse.Namespace) -> list[HostSlots]:
+    """The hosts of `--hostfile` or `--hosts` ([] for a one-host launch).
+
+    Raises:
+        ConfigError: Both were given, or either is malformed.
+    """
+    from tfsmp.errors import ConfigError
+    from tfsmp.launch.hosts import parse_hostfile, parse_hosts
+
+    hostfile, hosts = getattr(args, "hostfile", None), getattr(args, "hosts", None)
+    if hostfile and hosts:
+        raise ConfigError("--hostfile and --hosts are mutually exclusive. Received: "
+                          f"hostfile={hostfile!r}, hosts={hosts!r}. Fix: pass one of them.")
+    if hostfile:
+        return parse_hostfile(hostfile)
+    return parse_hosts(hosts) if hosts else []
+
+
+def _np_for_hosts(np: int | None, hosts: list[HostSlots]) -> int | None:
+    """-np of a multi-host launch: the given one (at most the slots), else all slots."""
+    from tfsmp.errors import ConfigError
+    from tfsmp.launch.hosts import total_slots
+
+    slots = total_slots(hosts)
+    if np is None:
+        return slots
+    if slots is not None and np > slots:
+        raise ConfigError(
+            f"-np must not exceed the slots of the hosts. Received: np={np}, slots={slots} "
+            f"({','.join(map(str, hosts))}). Fix: give the hosts more slots, or lower -np.")
+    return np
+
+
+def resolve_launch_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None,
+                           hosts: list[HostSlots] | None = None
                            ) -> tuple[int, str | None, list[str]]:
     """Works out -np and the config JSON, and validates the config for that world size.
 
+    Args:
+        args: The parsed `tfsmp run` arguments.
+        environ: The environment (default: os.environ).
+        hosts: The hosts of a multi-host launch: -np defaults to processes_per_host times
+            their number, else to their slots.
+
     Returns:
-        (np, config_json); config_json is None when neither --config nor --distribution was given
-        (the ranks then read TFSMP_CONFIG / SM_HP_MP_PARAMETERS from the environment).
+        (np, config_json, mpi_args); config_json is None when neither --config nor
+        --distribution was given (the ranks then read TFSMP_CONFIG / SM_HP_MP_PARAMETERS from
+        the environment).
 
     Raises:
         ConfigError: The config is invalid, does not fit -np, or -np is missing.
@@ -89,9 +140,13 @@ def resolve_launch_options(args: argparse.Namespace, environ: Mapping[str, str] 
         options = run_options(args.distribution, np=np)
         for warning in options.warnings:
             print(f"tfsmp run: warning: {warning}", file=sys.stderr)
-        params, np, mpi_args = dict(options.parameters or {}), options.np, list(options.mpi_args)
+        params, mpi_args = dict(options.parameters or {}), list(options.mpi_args)
+        # SageMaker runs processes_per_host ranks on every host.
+        np = options.np if np is not None or not hosts else options.np * len(hosts)
     if args.config:
         params.update(parse_mp_parameters(args.config))
+    if hosts:
+        np = _np_for_hosts(np, hosts)
     if np is None:
         raise ConfigError("the number of processes must be given. Received: no -np and no "
                           "mpi.processes_per_host. Fix: pass `-np N`.")
@@ -102,22 +157,39 @@ def resolve_launch_options(args: argparse.Namespace, environ: Mapping[str, str] 
     return np, (json.dumps(params) if params else None), mpi_args
 
 
+def _interface(args: argparse.Namespace, hosts: list[HostSlots],
+               environ: Mapping[str, str]) -> str | None:
+    """`--network-interface`; else SageMaker's SM_NETWORK_INTERFACE_NAME; else the route's."""
+    from tfsmp.launch.hosts import check_interface, default_interface
+
+    given = getattr(args, "network_interface", None) or environ.get("SM_NETWORK_INTERFACE_NAME")
+    if given:
+        return check_interface(given)
+    return default_interface(hosts) if hosts else None
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of `tfsmp run`; returns mpirun's exit code (2 for an invalid config)."""
     from tfsmp.errors import ConfigError
+    from tfsmp.launch.hosts import forwarded_env
     from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
 
     try:
-        np, config_json, dist_mpi_args = resolve_launch_options(args)
+        hosts = resolve_hosts(args)
+        np, config_json, dist_mpi_args = resolve_launch_options(args, hosts=hosts)
+        interface = _interface(args, hosts, os.environ)
     except ConfigError as e:
         print(f"tfsmp run: error: {e}", file=sys.stderr)
         return 2
-    env = dict(item.split("=", 1) if "=" in item else (item, None) for item in args.env or [])
+    user_env = dict(item.split("=", 1) if "=" in item else (item, None) for item in args.env or [])
+    # Ranks on this host inherit the environment; the other hosts' ranks only get `-x` names.
+    env = {**(forwarded_env(os.environ) if hosts else {}), **user_env}
     argv = build_mpirun_command(
         np, [args.script, *args.script_args], config_json=config_json, hostfile=args.hostfile,
-        hosts=args.host, env=env,
+        hosts=[str(h) for h in hosts] if args.hosts else None, env=env,
         extra_mpi_args=[*dist_mpi_args, *shlex.split(args.mpi_args or "")],
-        tag_output=args.tag_output, mpirun=find_mpirun())
+        tag_output=args.tag_output, mpirun=find_mpirun(), network_interface=interface,
+        rank_guard=bool(hosts))
     if args.dry_run:
         print(shlex.join(argv))
         return 0
@@ -132,11 +204,18 @@ def register(subparsers: Any) -> None:
         description="Validate the config for the world size, then run `mpirun ... python -m "
                     "mpi4py SCRIPT ARGS` with the config in SM_HP_MP_PARAMETERS.")
     p.add_argument("-np", "--np", "-n", type=int, default=None, metavar="N",
-                   help="number of processes (default: mpi.processes_per_host of --distribution)")
+                   help="number of processes (default: mpi.processes_per_host of --distribution, "
+                        "times the hosts; else the hosts' slots)")
     p.add_argument("--config", help="tfsmp/SMP parameters: JSON text or a JSON file path")
     p.add_argument("--distribution", help="a SageMaker estimator distribution= dict (JSON)")
-    p.add_argument("--hostfile", help="Open MPI hostfile (`host slots=N` lines)")
-    p.add_argument("--host", help="hosts as h1:slots,h2:slots")
+    p.add_argument("--hostfile", help="Open MPI hostfile (`host slots=N` lines); -np defaults "
+                   "to the total slots")
+    p.add_argument("--hosts", "--host", dest="hosts", metavar="H1:N,H2:N",
+                   help="hosts and their slots, e.g. algo-1:2,algo-2:2; -np defaults to the sum")
+    p.add_argument("--network-interface", metavar="IFACE",
+                   help="interface for Open MPI's TCP traffic across hosts (btl_tcp_if_include "
+                        "and oob_tcp_if_include); default: SM_NETWORK_INTERFACE_NAME, else the "
+                        "interface of the route to the hosts")
     p.add_argument("-x", "--env", action="append", metavar="NAME[=VALUE]",
                    help="export an environment variable to every rank (repeatable)")
     p.add_argument("--mpi-args", help="extra mpirun flags, appended verbatim (quote them)")

@@ -95,6 +95,16 @@ def _host_flags(hostfile: str | None, hosts: str | Sequence[str] | None) -> list
     return []
 
 
+def _interface_flags(network_interface: str | None) -> list[str]:
+    """Both of Open MPI's TCP channels on one interface, as the SageMaker toolkit does: the
+    byte-transfer layer (`btl_tcp_if_include`) and the launcher's out-of-band channel
+    (`oob_tcp_if_include`, a PRRTE setting that Open MPI 5's `--mca` also reaches)."""
+    if not network_interface:
+        return []
+    return ["--mca", "btl_tcp_if_include", network_interface,
+            "--mca", "oob_tcp_if_include", network_interface]
+
+
 def _env_flags(env: Mapping[str, str | None]) -> list[str]:
     """`-x NAME=value` per variable; a None value exports the launcher's own `NAME`."""
     flags: list[str] = []
@@ -119,6 +129,8 @@ def build_mpirun_command(
     tag_output: bool = True,
     mpirun: str = "mpirun",
     cores: int | None = None,
+    network_interface: str | None = None,
+    rank_guard: bool = False,
 ) -> list[str]:
     """Builds the argv of an Open MPI 5 `mpirun` launch of a Python script.
 
@@ -138,6 +150,10 @@ def build_mpirun_command(
         tag_output: Add `--tag-output` (lines prefixed `[job,rank]<stdout>: `).
         mpirun: The mpirun executable (see `find_mpirun`).
         cores: Cores of this host for the oversubscribe rule (default: os.cpu_count()).
+        network_interface: Interface (or comma-separated list, or CIDR) for Open MPI's TCP
+            traffic and out-of-band channel; None lets Open MPI choose.
+        rank_guard: Run each rank under `tfsmp.launch.rankguard`, which names the rank and host
+            of a rank killed by a signal (see [Note: who died] there).
 
     Returns:
         The argv list (pass to subprocess; `shlex.join` it for display).
@@ -160,7 +176,9 @@ def build_mpirun_command(
     argv += ["--bind-to", "none", "--map-by", "slot"]
     argv += ["--tag-output"] if tag_output else []
     argv += host_flags
+    argv += _interface_flags(network_interface)
     argv += _env_flags({**(env or {}), **({CONFIG_ENV: config_json} if config_json else {})})
     argv += list(extra_mpi_args)
+    argv += [python, "-m", "tfsmp.launch.rankguard"] if rank_guard else []
     argv += [python, "-m", "mpi4py"] if use_mpi4py_module else [python]
     return argv + list(script_argv)
