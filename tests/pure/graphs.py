@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo
+from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo, Tie
 
 __all__ = [
     "add",
@@ -107,17 +107,19 @@ def colocated_pair() -> LayerGraph:
     return g
 
 
-def tied_embedding(n: int = 4) -> LayerGraph:
-    """emb -> l0..l{n-1} -> head, where ``head`` reuses ``emb``'s matrix (a tied embedding)."""
+def tied_embedding(n: int = 4, params: int = 100, flops: float = 1000.0) -> LayerGraph:
+    """emb -> l0..l{n-1} -> head -> tail, where ``head`` reuses ``emb``'s matrix (a tied
+    embedding, as the tracer records it: a `Tie`, free to hold a copy on another stage)."""
     g = LayerGraph(name="tied")
-    (prev,) = add(g, "emb", [g.add_input("x", (16,))], params=100,
-                  variables=("emb/embeddings",))
+    (prev,) = add(g, "emb", [g.add_input("x", (16,))], params=params,
+                  variables=("emb/embeddings",), flops=flops)
     for i in range(n):
         (prev,) = add(g, f"l{i}", [prev])
-    (out,) = add(g, "head", [prev], variables=("emb/embeddings",))
+    (out,) = add(g, "head", [prev], flops=flops)
+    g.nodes["head"].variables = ()
     (tail,) = add(g, "tail", [out])
     g.set_outputs([tail])
-    g.colocate.append(frozenset({"emb", "head"}))
+    g.ties.append(Tie(("emb", "head"), ("emb/embeddings",), 4 * params, 4 * params))
     return g
 
 

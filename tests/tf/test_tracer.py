@@ -31,11 +31,11 @@ EXPECTED = {
     "mlp": (4, {}),
     "cnn": (11, {}),
     "multi_io": (9, {}),
-    "shared": (4, {"shared": 2}),
+    "shared": (5, {}),  # shared's second call is the tied copy "shared@1"
     "transformer": (11, {}),
-    "nested": (8, {}),   # every encoder/block layer has 2 calls: checked below
+    "nested": (11, {}),   # every encoder/block layer has 2 calls, one node each: checked below
     "sequential": (5, {}),
-    "subclassed": (11, {}),  # d2 has 2 calls: checked below
+    "subclassed": (12, {}),  # d2 has 2 calls, one node each: checked below
 }
 
 
@@ -81,7 +81,8 @@ def test_graph_shape_and_keys(zoo: dict, name: str) -> None:
     if name not in ("nested", "subclassed"):  # auto-named repeats: checked in their own tests
         assert {n.name: n.calls for n in g if n.calls > 1} == multi
     for c in traced.calls:  # [Note: tensor keys]
-        assert c.output_keys == [f"{c.layer_name}:{c.call_index}:{i}" for i in range(len(c.output_keys))]
+        layer = c.keras_name or c.layer_name  # a tied copy's tensors carry its layer's name
+        assert c.output_keys == [f"{layer}:{c.call_index}:{i}" for i in range(len(c.output_keys))]
         assert all(k in g.tensors for k in c.input_keys)
     assert g.outputs == traced.output_keys and g.inputs == traced.input_keys
     assert g.topological_order()[: len(g.inputs)] == [k.split(":")[0] for k in g.inputs]
@@ -97,14 +98,20 @@ def test_mlp_edges_carry_bytes_per_sample(zoo: dict) -> None:
     assert traced.graph.nodes[d0].activation_bytes == 128
 
 
-def test_shared_layer_is_one_node_and_its_cycle_one_group(zoo: dict) -> None:
+def test_shared_layer_is_one_node_per_call_tied_by_its_variables(zoo: dict) -> None:
+    # Before tied copies a shared layer was one node whose calls made the cycle shared <-> mid,
+    # one group; now each call is a node and the two hold copies of one kernel.
     _, traced, _ = zoo["shared"]
     g = traced.graph
-    assert [c.output_keys[0] for c in traced.calls if c.layer_name == "shared"] == [
-        "shared:0:0", "shared:1:0"]
-    assert ("shared", "mid") in g.edges() and ("mid", "shared") in g.edges()
-    assert g.groups() == [["x"], ["shared", "mid"], ["head"]]
-    assert len(traced.variables_of(["shared", "mid", "shared"])) == 4
+    assert [(c.layer_name, c.output_keys[0]) for c in traced.calls
+            if "shared" in (c.layer_name, c.keras_name)] == [
+        ("shared", "shared:0:0"), ("shared@1", "shared:1:0")]
+    assert ("shared", "mid") in g.edges() and ("mid", "shared@1") in g.edges()
+    assert g.groups() == [["x"], ["shared"], ["mid"], ["shared@1"], ["head"]]
+    assert [(t.nodes, t.variables) for t in g.ties] == [
+        (("shared", "shared@1"), ("shared/kernel", "shared/bias"))]
+    assert g.nodes["shared@1"].param_bytes == 0 and g.nodes["shared@1"].layer == "shared"
+    assert _ids(traced.variables_of(["shared@1"])) == _ids(traced.variables_of(["shared"]))
 
 
 def test_nested_models_flatten_to_leaf_layers(zoo: dict) -> None:
@@ -113,8 +120,9 @@ def test_nested_models_flatten_to_leaf_layers(zoo: dict) -> None:
     assert not {"encoder", "block", "head"} & set(g.nodes)
     encoder = model.get_layer("encoder")
     inside = {lay.name for lay in encoder.layers + encoder.get_layer("block").layers}
-    leaves = [n for n in g.nodes if g.nodes[n].calls == 2]
-    assert len(leaves) == 3 and set(leaves) <= inside
+    leaves = [n for n in g.nodes if g.nodes[n].layer]  # second calls: tied copies
+    assert len(leaves) == 3 and {g.nodes[n].layer for n in leaves} <= inside
+    assert len(g.ties) == 3
     first = traced.calls[0]
     assert first.input_keys == ["left:0:0"]
     assert f"{first.layer_name}:1:0" in g.tensors  # the right branch is call 1
@@ -181,7 +189,7 @@ def test_subclassed_model_becomes_layers_and_named_ops(zoo: dict) -> None:
     g = traced.graph
     assert [n for n in g.nodes if n.startswith("ops.")] == [
         "ops.mean", "ops.relu", "ops.multiply", "ops.add"]
-    assert g.nodes[model.d2.name].calls == 2
+    assert g.nodes[f"{model.d2.name}@1"].layer == model.d2.name  # d2's second call
     assert g.nodes["ops.multiply"].variables == ("subclassed/scale",)  # a model weight used in call
     assert _ids(traced.variables_of(["ops.multiply"])) == _ids([model.scale])
     again = trace(model, sample_input=np.zeros((2, 8, 8, 1), "float32"))
@@ -270,16 +278,26 @@ class _Tied(layers.Layer):
         return ops.matmul(h, ops.transpose(self.embedding.embeddings))
 
 
-def test_layers_sharing_a_variable_are_colocated() -> None:
+def test_layers_sharing_a_trainable_variable_are_tied() -> None:
     tokens = keras.Input((5,), dtype="int32", name="tokens")
     emb = layers.Embedding(20, 8, name="emb")
     h = layers.Dense(8, name="body")(emb(tokens))
     model = keras.Model(tokens, _Tied(emb, name="tied")(h))
     traced = trace(model)
-    assert traced.graph.colocate == [frozenset({"emb", "tied"})]
-    assert traced.graph.groups() == [["tokens"], ["emb", "body", "tied"]]
+    # before tied copies: colocate [{emb, tied}] and one group emb..tied
+    assert traced.graph.colocate == []
+    assert [t.nodes for t in traced.graph.ties] == [("emb", "tied")]
+    assert traced.graph.groups() == [["tokens"], ["emb"], ["body"], ["tied"]]
     assert traced.graph.nodes["tied"].param_bytes == 0  # counted once, on the embedding
     assert _ids(traced.variables_of(["tied"])) == _ids([emb.embeddings])
+
+
+def test_layers_with_state_called_twice_stay_one_node() -> None:
+    x = keras.Input((8,), name="x")
+    drop = layers.Dropout(0.5, seed=3, name="drop")
+    traced = trace(keras.Model(x, drop(layers.Dense(8, name="mid")(drop(x)))))
+    assert traced.graph.groups() == [["x"], ["drop", "mid"]]  # the seed advances in call order
+    assert traced.graph.ties == []
 
 
 def test_flops_match_hand_formulas(zoo: dict) -> None:

@@ -38,9 +38,10 @@ __all__ = ["Layout", "optimizer_state", "variable_keys"]
 def _owner_layers(traced: Any) -> list[tuple[Any, str]]:
     """(variable, owning leaf layer name) for every variable the traced calls read, each once."""
     order: list[str] = []
-    for call in traced.calls:
-        if call.layer_name not in order:
-            order.append(call.layer_name)
+    for call in traced.calls:  # a tied copy's node keys its variables by its Keras layer
+        name = getattr(call, "keras_name", "") or call.layer_name
+        if name not in order:
+            order.append(name)
     seen: set[int] = set()
     out: list[tuple[Any, str]] = []
     for name in order:  # first pass: the layer that owns it as a variable
@@ -94,7 +95,9 @@ class Layout:
             for v in traced.variables_of(plan.layers(s)):
                 key = keys[id(v)]
                 variables.setdefault(key, v)
-                stage.setdefault(key, s)  # co-location puts a shared variable in one stage
+                # the lowest stage holding a variable writes it: one copy of a tied variable
+                # ([Note: tied copies] in tfsmp/graph/ir.py); restore reads it into every copy
+                stage.setdefault(key, s)
         mine = {keys[id(v)] for s in engine.stages
                 for v in traced.variables_of(plan.layers(s))}
         held = [k for k in variables if k in mine]

@@ -17,10 +17,21 @@ that call. This mirrors Keras's ``KerasHistory(operation, node_index, tensor_ind
 are produced by their ``InputLayer`` (``"x:0:0"``). Keys are stable across processes, which is
 what lets every rank agree on message tags without talking.
 
-[Note: layer cycles] A layer called at several places is one node (its variables live on one
-stage), so the *layer* graph may contain cycles (``a -> b -> a``). Planners contract strongly
-connected components before ordering stages; `LayerGraph.groups()` returns the components,
-merged further with `colocate` (layers that share a variable).
+[Note: layer cycles] A layer called at several places whose calls change state (a Dropout's
+seed, BatchNormalization statistics: any non-trainable variable) is one node, because that state
+must advance in call order on one stage; so the *layer* graph may contain cycles
+(``a -> b -> a``). Planners contract strongly connected components before ordering stages;
+`LayerGraph.groups()` returns the components, merged further with `colocate` (layers sharing a
+non-trainable variable).
+
+[Note: tied copies] A layer whose variables are all trainable is instead one node per call
+(`LayerNode.layer` names the Keras layer; the first call in execution order keeps the plain
+name, later calls are ``"<layer>@<call>"``), and layers sharing trainable variables (a tied
+embedding and its output projection) stay separate nodes. Each such set of nodes is a `Tie`:
+every stage that runs one of them holds a copy of the variables, the copies start equal, their
+gradients are summed over the stages before the optimizer step, so they stay equal (what
+Megatron and DeepSpeed do for tied embeddings). The planner prices the copies' memory and the
+extra reduction (`tfsmp.partitioning.ties`) and may still put them on one stage.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ __all__ = [
     "LayerGraph",
     "LayerNode",
     "TensorInfo",
+    "Tie",
     "optimizer_slots",
 ]
 
@@ -93,7 +105,9 @@ class LayerNode:
         activation_bytes: bytes per sample of the outputs of all its calls.
         measured_seconds: forward+backward seconds per sample from `profile`, or None.
         variables: variable paths (``"dense/kernel"``), in Keras order.
-        calls: how many times the layer is called in the model.
+        calls: how many times the layer is called in the model (by this node).
+        layer: the Keras layer whose calls this node runs, when not ``name`` (a tied copy,
+            see [Note: tied copies]).
     """
 
     name: str
@@ -107,6 +121,12 @@ class LayerNode:
     measured_seconds: float | None = None
     variables: tuple[str, ...] = ()
     calls: int = 1
+    layer: str = ""
+
+    @property
+    def keras_layer(self) -> str:
+        """The Keras layer name (``name`` unless this node is a tied copy)."""
+        return self.layer or self.name
 
     @property
     def is_input(self) -> bool:
@@ -120,6 +140,27 @@ class LayerNode:
         return self.flops_forward + self.flops_backward
 
 
+@dataclass(frozen=True)
+class Tie:
+    """Trainable variables that several nodes read, held as one copy per stage that runs any of
+    them (see [Note: tied copies]). ``nodes[0]`` owns them: its ``param_bytes`` count them once.
+
+    Example::
+
+        Tie(nodes=("emb", "head"), variables=("emb/embeddings",), param_bytes=4000,
+            trainable_param_bytes=4000)
+    """
+
+    nodes: tuple[str, ...]
+    variables: tuple[str, ...]
+    param_bytes: int = 0
+    trainable_param_bytes: int = 0
+
+    @property
+    def owner(self) -> str:
+        return self.nodes[0]
+
+
 @dataclass
 class LayerGraph:
     """Layers (nodes) and the tensors flowing between them (edges). See the module docstring."""
@@ -131,8 +172,10 @@ class LayerGraph:
     writes: dict[str, list[str]] = field(default_factory=dict)
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
-    # groups of layers that share a variable and must sit on one stage
+    # groups of layers that share a non-trainable variable and must sit on one stage
     colocate: list[frozenset[str]] = field(default_factory=list)
+    # layers sharing trainable variables, which may sit apart holding copies ([Note: tied copies])
+    ties: list[Tie] = field(default_factory=list)
     name: str = "model"
     _readers: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
 
@@ -280,6 +323,14 @@ class LayerGraph:
                 if indeg[j] == 0:
                     ready.append(j)
         return out
+
+    def with_ties_colocated(self) -> LayerGraph:
+        """This graph with every `Tie` made a co-located group: the plans that keep each set of
+        tied layers on one stage (no copies)."""
+        return LayerGraph(
+            nodes=self.nodes, tensors=self.tensors, reads=self.reads, writes=self.writes,
+            inputs=self.inputs, outputs=self.outputs, name=self.name, ties=[],
+            colocate=[*self.colocate, *(frozenset(t.nodes) for t in self.ties)])
 
     def topological_order(self) -> list[str]:
         """Layer names in an order where every group precedes the groups it feeds."""

@@ -19,6 +19,9 @@ index among the nodes of its model), which for a model without nesting is Keras'
 counted over this model's nodes only; tensor keys follow [Note: tensor keys] in `ir.py`.
 ``keras.ops`` operations get names ``ops.<op>``, ``ops.<op>_1`` … in execution order, because
 Keras's own names for them come from a process-wide counter and differ between processes.
+A leaf called several times whose variables are all trainable becomes one graph node per call
+(``"<layer>@<call>"`` after the first call in execution order), so its calls may run on
+different stages, each holding a copy of its variables ([Note: tied copies] in `ir.py`).
 
 [Note: call semantics] `Call.run` calls the layer as `Functional` does: the node's recorded
 args/kwargs with tensors substituted, and ``training`` overriding the recorded value when it is
@@ -51,7 +54,7 @@ from keras.src.ops.symbolic_arguments import SymbolicArguments
 from tfsmp.errors import StepError, TfsmpError, TraceError
 from tfsmp.graph import costs
 from tfsmp.graph.deferred import deferred_scope
-from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo
+from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo, Tie
 
 __all__ = ["Call", "TracedModel", "trace"]
 
@@ -76,6 +79,7 @@ class Call:
     input_keys: list[str]
     output_keys: list[str]
     arguments: SymbolicArguments = field(repr=False)
+    keras_name: str = ""  # the Keras layer's name when ``layer_name`` is a tied copy's node
 
     def run(self, env: dict[str, Any], training: bool | None = None) -> None:
         """Reads ``env[input_keys]``, calls the layer, writes ``env[output_keys]``.
@@ -243,7 +247,7 @@ def trace(model: keras.Model, batch_size: int | None = None, sample_input: Any =
         flat.expand(top.fn, keymap, (), model.name)
     input_keys = [keymap[id(t)] for t in top.fn.inputs]
     output_keys = [keymap[id(t)] for t in top.fn.outputs]
-    calls = flat.finish(input_names=[_producer(t).name for t in top.fn.inputs])
+    calls = _split_tied_calls(flat.finish(input_names=[_producer(t).name for t in top.fn.inputs]))
     rename = flat.final_keys
     output_keys = [rename.get(k, k) for k in output_keys]
     return _assemble(model, top, calls, flat, input_keys, output_keys)
@@ -566,7 +570,7 @@ def _assemble(model: keras.Model, top: _Top, calls: list[Call], flat: _Flattener
                 for k, t in zip(c.output_keys, rc.node.outputs)]
         graph.add_layer(nodes[c.layer_name], c.input_keys, outs)
     graph.set_outputs(output_keys)
-    graph.colocate = _colocate(uses)
+    graph.colocate, graph.ties = _shared(uses, nodes)
     order = {id(v): i for i, v in enumerate(model.variables)}
     return TracedModel(
         model=model, graph=graph, calls=calls, input_keys=input_keys, output_keys=output_keys,
@@ -587,7 +591,7 @@ def _layer_nodes(calls: list[Call], flat: _Flattener, owned: dict[str, list[Any]
                     else f"ops.{type(c.layer).__name__}")
             node = nodes[c.layer_name] = LayerNode(
                 c.layer_name, kind, param_bytes=size, trainable_param_bytes=train,
-                param_count=count, calls=0,
+                param_count=count, calls=0, layer=c.keras_name,
                 variables=tuple(v.path for v in owned.get(c.layer_name, [])))
         args = rc.node.arguments
         fwd = costs.forward_flops(c.layer, args.args, args.kwargs, rc.node.input_tensors,
@@ -627,17 +631,67 @@ def _variable_owners(calls: list[Call], layers: dict[str, Any]) -> tuple[dict[st
     return owned, {name: list(vs.values()) for name, vs in uses.items()}
 
 
-def _colocate(uses: dict[str, list[Any]]) -> list[frozenset[str]]:
+def _split_tied_calls(calls: list[Call]) -> list[Call]:
+    """Gives each call of a multiply-called leaf whose variables are all trainable its own graph
+    node (see [Note: tied copies] in `ir.py`); the first call in execution order keeps the
+    layer's name. A leaf with a non-trainable variable (seed state, moving statistics) stays
+    one node: that state must advance in call order on one stage."""
+    by_layer: dict[str, list[Call]] = {}
+    for c in calls:
+        by_layer.setdefault(c.layer_name, []).append(c)
+    taken = set(by_layer)
+    for name, mine in by_layer.items():
+        if len(mine) < 2 or not all(v.trainable for v in _read_variables(mine)):
+            continue
+        for c in mine[1:]:
+            node = f"{name}@{c.call_index}"
+            while node in taken:
+                node += "_"
+            taken.add(node)
+            c.keras_name, c.layer_name = name, node
+    return calls
+
+
+def _read_variables(calls: list[Call]) -> list[Any]:
+    """Every variable the calls of one leaf read: the layer's own and any passed as arguments."""
+    op = calls[0].layer
+    found = list(op.variables) if isinstance(op, keras.layers.Layer) else []
+    for c in calls:
+        found.extend(v for v in c.arguments._flat_arguments if isinstance(v, keras.Variable))
+    return found
+
+
+def _shared(uses: dict[str, list[Any]], nodes: dict[str, LayerNode]
+            ) -> tuple[list[frozenset[str]], list[Tie]]:
+    """Nodes reading a common variable: co-located groups for non-trainable ones (they change in
+    call order), `Tie` copies for trainable ones, one per distinct set of readers."""
     users: dict[int, list[str]] = {}
+    variables: dict[int, Any] = {}
     for name, vs in uses.items():
         for v in vs:
             users.setdefault(id(v), []).append(name)
+            variables[id(v)] = v
     groups: list[frozenset[str]] = []
-    for names in users.values():
+    tied: dict[tuple[str, ...], list[Any]] = {}
+    for i, names in users.items():
+        if len(set(names)) < 2:
+            continue
+        if variables[i].trainable:
+            tied.setdefault(tuple(dict.fromkeys(names)), []).append(variables[i])
+            continue
         group = frozenset(names)
-        if len(group) > 1 and group not in groups:
+        if group not in groups:
             groups.append(group)
-    return groups
+    return groups, [_tie(names, vs, nodes) for names, vs in tied.items()]
+
+
+def _tie(names: tuple[str, ...], vs: list[Any], nodes: dict[str, LayerNode]) -> Tie:
+    owner = next((n for n in names if nodes[n].param_bytes and any(
+        str(v.path) in nodes[n].variables for v in vs)), names[0])
+    size, train, _ = costs.param_stats(vs, {id(v) for v in vs})
+    order = (owner, *(n for n in names if n != owner))
+    return Tie(nodes=order, variables=tuple(str(v.path) for v in vs), param_bytes=size,
+               trainable_param_bytes=train)
 
 
 def _input_names(fn: Any) -> list[str]:

@@ -39,11 +39,16 @@ def plan_manual(graph: LayerGraph, num_stages: int, manual: Mapping[str, int],
     Raises:
         PartitionError: for unknown layer names, stages out of range, layers with no stage,
             layers that must share a stage placed apart, or a tensor sent to an earlier stage.
+            Layers sharing trainable variables may sit apart: each stage holds a copy.
     """
     _check_names(graph, manual)
     for name, s in manual.items():
         _check_stage(s, num_stages, f"smp.partition({s!r}) around layer '{name}'")
     layers = [n.name for n in graph if not n.is_input]
+    # A tied copy (a later call of a layer, [Note: tied copies]) follows its layer's scope
+    # unless the scopes name the copy itself.
+    manual = {**{n: manual[graph.nodes[n].layer] for n in layers
+                 if n not in manual and graph.nodes[n].layer in manual}, **manual}
     outside = [n for n in layers if n not in manual]
     if outside and default_partition is None:
         raise PartitionError(
@@ -81,8 +86,8 @@ def _check_stage(stage: object, num_stages: int, what: str) -> None:
 
 
 def _check_groups(graph: LayerGraph, stage_of: Mapping[str, int]) -> None:
-    """Layers sharing variables, and calls of a shared layer with the layers between them
-    (a cycle in the layer graph), must sit on one stage."""
+    """Layers sharing non-trainable variables, and calls of a stateful shared layer with the
+    layers between them (a cycle in the layer graph), must sit on one stage."""
     for group in graph.groups():
         stages = {stage_of[n] for n in group if n in stage_of}
         if len(stages) < 2:
@@ -98,8 +103,9 @@ def _check_groups(graph: LayerGraph, stage_of: Mapping[str, int]) -> None:
                     f"scope.")
         raise PartitionError(
             f"A layer called at several places must be on one stage with the layers between its "
-            f"calls (its variables live on one stage, and the calls form a cycle in the layer "
-            f"graph). Received: {where}. Put these layers in the same smp.partition scope.")
+            f"calls when it has non-trainable state (seeds, moving statistics) that its calls "
+            f"update in order (the calls form a cycle in the layer graph). Received: {where}. "
+            f"Put these layers in the same smp.partition scope.")
 
 
 def _shared_variables(graph: LayerGraph, members: list[str]) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 
 from tfsmp.errors import PartitionError
 from tfsmp.graph.ir import LayerGraph, optimizer_slots
+from tfsmp.partitioning.ties import TiedCopies, copy_memory, placements
 
 __all__ = ["Boundary", "StageCost", "StagePlan"]
 
@@ -47,14 +48,19 @@ class Boundary:
 @dataclass(frozen=True)
 class StageCost:
     """Per-stage totals. ``compute`` is FLOPs (or seconds when profiled) per sample;
-    ``memory`` is bytes of parameters + optimizer state + activations for one sample;
-    ``send_bytes`` is boundary bytes per sample this stage sends forward."""
+    ``memory`` is bytes of parameters + optimizer state + activations for one sample, tied
+    copies included; ``send_bytes`` is boundary bytes per sample this stage sends forward;
+    ``copy_bytes`` is parameter bytes of tied copies whose owner is another stage;
+    ``tie_bytes`` is the trainable bytes whose gradients this stage sums with other stages'
+    copies every step ([Note: tied copies] in `tfsmp.graph.ir`)."""
 
     layers: int
     compute: float
     memory: float
     param_bytes: int
     send_bytes: int
+    copy_bytes: int = 0
+    tie_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class StagePlan:
     stages: tuple[StageCost, ...]
     planner: str = "manual"
     notes: tuple[str, ...] = field(default=())
+    ties: tuple[TiedCopies, ...] = field(default=())
 
     # -- construction -----------------------------------------------------------------------
 
@@ -148,11 +155,13 @@ class StagePlan:
                     index=len(boundaries), tensor=key, producer=s_src,
                     consumers=tuple(sorted(s for s in consumers if s > s_src)),
                     shape=info.shape, dtype=info.dtype, bytes_per_sample=info.bytes_per_sample))
+        ties = placements(graph, assignment)
         stages = tuple(
-            _stage_cost(graph, [n for n in layers if assignment[n] == s], boundaries, s, optimizer)
+            _stage_cost(graph, [n for n in layers if assignment[n] == s], boundaries, s, optimizer,
+                        ties)
             for s in range(num_stages))
         return cls(num_stages, dict(sorted(assignment.items(), key=lambda kv: position[kv[0]])),
-                   tuple(boundaries), stages, planner, notes)
+                   tuple(boundaries), stages, planner, notes, ties)
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -201,6 +210,8 @@ class StagePlan:
             ],
             "imbalance": self.imbalance(),
             "notes": list(self.notes),
+            "ties": [{**asdict(t), "variables": list(t.variables), "nodes": list(t.nodes),
+                      "stages": list(t.stages)} for t in self.ties],
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -220,6 +231,12 @@ class StagePlan:
             stages=tuple(StageCost(**s) for s in d.get("stages", [])),
             planner=d.get("planner", "manual"),
             notes=tuple(d.get("notes", ())),
+            ties=tuple(
+                TiedCopies(variables=tuple(t["variables"]), nodes=tuple(t["nodes"]),
+                           stages=tuple(t["stages"]), owner_stage=t["owner_stage"],
+                           param_bytes=t["param_bytes"],
+                           trainable_param_bytes=t["trainable_param_bytes"])
+                for t in d.get("ties", [])),
         )
 
 
@@ -228,15 +245,20 @@ def _output_index(key: str) -> int:
 
 
 def _stage_cost(graph: LayerGraph, names: list[str], boundaries: list[Boundary], stage: int,
-                optimizer: str | None) -> StageCost:
+                optimizer: str | None, ties: tuple[TiedCopies, ...] = ()) -> StageCost:
     slots = optimizer_slots(optimizer)
     nodes = [graph.nodes[n] for n in names]
+    held = [t for t in ties if stage in t.stages]
+    copies = [t for t in held if t.owner_stage != stage]
     return StageCost(
         layers=len(nodes),
         compute=sum(n.compute for n in nodes),
         memory=sum(n.param_bytes + slots * n.trainable_param_bytes + n.activation_bytes
-                   for n in nodes),
-        param_bytes=sum(n.param_bytes for n in nodes),
+                   for n in nodes) + sum(copy_memory(t, optimizer) for t in copies),
+        param_bytes=sum(n.param_bytes for n in nodes) + sum(t.param_bytes for t in copies),
         send_bytes=sum(b.bytes_per_sample * len(b.consumers)
                        for b in boundaries if b.producer == stage),
+        copy_bytes=sum(t.param_bytes for t in copies),
+        tie_bytes=sum(t.trainable_param_bytes for t in held if t.copies > 1),
     )
+

@@ -24,7 +24,9 @@ is the triple, compared lexicographically,
 with ``cap = max(IMBALANCE_TARGET / N, W*)`` and ``W*`` the least largest stage weight of any
 contiguous split of the group order (what layer granularity allows). So a plan first keeps every
 stage within 1.10x the mean where the layers allow it; then minimises the bottleneck stage, which
-bounds pipeline throughput; then sends the fewest bytes.
+bounds pipeline throughput; then sends the fewest bytes. Tied copies add their memory to ``W_s``
+and their gradient reduction to ``in_s``/``out_s`` ([Note: pricing copies] in `ties.py`); plans
+that keep each tie on one stage compete with plans that copy ([Note: tie candidates]).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from tfsmp.graph.ir import LayerGraph
 from tfsmp.partitioning.contiguous import min_bottleneck, partition_contiguous
 from tfsmp.partitioning.manual import plan_manual
 from tfsmp.partitioning.plan import StagePlan
+from tfsmp.partitioning.ties import GroupTie, group_ties
 
 __all__ = [
     "BYTES_PER_SECOND",
@@ -153,16 +156,22 @@ class Problem:
     weight: list[float]
     tensors: list[GroupTensor]
     kappa: float
+    ties: list[GroupTie] = field(default_factory=list)
     succ: list[list[int]] = field(default_factory=list)
     pred: list[list[int]] = field(default_factory=list)
     # undirected neighbours with the bytes between them (METIS edge weights)
     adj: list[dict[int, int]] = field(default_factory=list)
     t_out: list[list[int]] = field(default_factory=list)
     t_in: list[list[int]] = field(default_factory=list)
+    g_ties: list[list[int]] = field(default_factory=list)  # group -> ties it runs a node of
     _caps: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.groups)
+        self.g_ties = [[] for _ in range(n)]
+        for ti, tie in enumerate(self.ties):
+            for g in tie.groups:
+                self.g_ties[g].append(ti)
         succ: list[set[int]] = [set() for _ in range(n)]
         self.adj = [{} for _ in range(n)]
         self.t_out = [[] for _ in range(n)]
@@ -229,8 +238,10 @@ def _positions(order: Sequence[int]) -> list[int]:
 
 def build_problem(graph: LayerGraph, *, optimize: str = "speed", memory_weight: float | None = None,
                   optimizer: str | None = None, batch_size: int = 1,
-                  flops_per_byte: float = FLOPS_PER_BYTE) -> Problem:
-    """Contracts ``graph`` to its groups and prices boundary bytes (see [Note: objective])."""
+                  flops_per_byte: float = FLOPS_PER_BYTE, step_samples: int | None = None
+                  ) -> Problem:
+    """Contracts ``graph`` to its groups and prices boundary bytes and tied copies (see [Note:
+    objective]; ``step_samples``: samples per optimizer step, default ``batch_size``)."""
     weights = vertex_weights(graph, optimize, memory_weight, optimizer, batch_size)
     groups = [[n for n in g if not graph.nodes[n].is_input] for g in graph.groups()]
     groups = [g for g in groups if g]
@@ -249,8 +260,10 @@ def build_problem(graph: LayerGraph, *, optimize: str = "speed", memory_weight: 
         if cons or key in outputs:
             tensors.append(GroupTensor(src, tuple(cons), key in outputs, info.bytes_per_sample))
     mw = effective_memory_weight(optimize, memory_weight)
+    ties = group_ties(graph, groups, memory_weight=mw, optimizer=optimizer,
+                      batch_size=batch_size, step_samples=step_samples)
     return Problem(groups, [sum(weights[n] for n in g) for g in groups], tensors,
-                   kappa=(1.0 - mw) * _byte_price(graph, flops_per_byte))
+                   kappa=(1.0 - mw) * _byte_price(graph, flops_per_byte), ties=ties)
 
 
 def _byte_price(graph: LayerGraph, flops_per_byte: float) -> float:
@@ -295,6 +308,27 @@ class StageLoad:
                 r[num_stages - 1] = r.get(num_stages - 1, 0) + 1
             self.readers.append(r)
             self._account(ti, 1)
+        # per tie: stage -> how many of its groups sit there ([Note: pricing copies])
+        self.holders: list[dict[int, int]] = []
+        for k, tie in enumerate(problem.ties):
+            h: dict[int, int] = {}
+            for g in tie.groups:
+                h[stage[g]] = h.get(stage[g], 0) + 1
+            self.holders.append(h)
+            self._account_tie(k, 1)
+
+    def _account_tie(self, k: int, sign: int) -> None:
+        """Adds (``sign`` 1) or removes (-1) a tie's copies: memory on every holder but the
+        owner's stage; the gradient reduction on every holder when there are two or more."""
+        tie = self.p.ties[k]
+        holders = self.holders[k]
+        owner = self.stage[tie.owner]
+        for s in holders:
+            if s != owner:
+                self.w[s] += sign * tie.weight
+            if len(holders) > 1:
+                self.inb[s] += sign * tie.nbytes
+                self.outb[s] += sign * tie.nbytes
 
     def _account(self, ti: int, sign: int) -> None:
         t = self.p.tensors[ti]
@@ -310,8 +344,16 @@ class StageLoad:
         if old == to:
             return
         touched = dict.fromkeys(self.p.t_out[g] + self.p.t_in[g])
+        ties = self.p.g_ties[g]
         for ti in touched:
             self._account(ti, -1)
+        for k in ties:
+            self._account_tie(k, -1)
+            h = self.holders[k]
+            h[old] -= 1
+            if h[old] == 0:
+                del h[old]
+            h[to] = h.get(to, 0) + 1
         for ti in self.p.t_in[g]:
             r = self.readers[ti]
             r[old] -= 1
@@ -325,6 +367,8 @@ class StageLoad:
         self.members[to].add(g)
         for ti in touched:
             self._account(ti, 1)
+        for k in ties:
+            self._account_tie(k, 1)
 
     def can_move(self, g: int, to: int) -> bool:
         """Whether ``g`` may go to the adjacent stage ``to`` keeping every edge forward and its
@@ -394,7 +438,8 @@ def plan_graph(graph: LayerGraph, num_stages: int, *, optimize: str = "speed",
                memory_weight: float | None = None, method: str = "auto",
                manual: Mapping[str, int] | None = None, default_partition: int | None = None,
                contiguous: bool = True, optimizer: str | None = None, batch_size: int = 1,
-               flops_per_byte: float = FLOPS_PER_BYTE) -> StagePlan:
+               flops_per_byte: float = FLOPS_PER_BYTE, step_samples: int | None = None
+               ) -> StagePlan:
     """Splits ``graph`` into ``num_stages`` ordered stages.
 
     Args:
@@ -411,6 +456,8 @@ def plan_graph(graph: LayerGraph, num_stages: int, *, optimize: str = "speed",
         optimizer: Keras optimizer name, for optimizer-state memory (``None``: Adam).
         batch_size: samples whose activations a stage holds at once (memory weights).
         flops_per_byte: the objective's price of a boundary byte, in FLOPs.
+        step_samples: samples per optimizer step, to price tied copies' gradient reduction
+            (default ``batch_size``; [Note: pricing copies] in `ties.py`).
 
     Returns:
         A validated `StagePlan` whose notes record the objective.
@@ -426,13 +473,43 @@ def plan_graph(graph: LayerGraph, num_stages: int, *, optimize: str = "speed",
         raise ConfigError(f"batch_size must be at least 1. Received: batch_size={batch_size}")
     if method == "manual":
         return plan_manual(graph, num_stages, manual or {}, default_partition, optimizer=optimizer)
-    problem = build_problem(graph, optimize=optimize, memory_weight=memory_weight,
-                            optimizer=optimizer, batch_size=batch_size,
-                            flops_per_byte=flops_per_byte)
+    def problem_of(g: LayerGraph) -> Problem:
+        return build_problem(g, optimize=optimize, memory_weight=memory_weight,
+                             optimizer=optimizer, batch_size=batch_size,
+                             flops_per_byte=flops_per_byte, step_samples=step_samples)
+
+    problem = problem_of(graph)
     _check_feasible(problem, num_stages)
     name, stage, notes = _best_automatic(problem, num_stages, method, contiguous)
+    if graph.ties:
+        name, stage, notes = _tie_candidates(graph, problem, problem_of(graph.with_ties_colocated()),
+                                             num_stages, method, contiguous, (name, stage, notes))
     return StagePlan.from_assignment(graph, problem.stage_of(stage), num_stages, planner=name,
                                      optimizer=optimizer, notes=tuple(notes))
+
+
+def _tie_candidates(graph: LayerGraph, problem: Problem, together: Problem, k: int, method: str,
+                    contiguous: bool, apart: tuple[str, list[int], list[str]]
+                    ) -> tuple[str, list[int], list[str]]:
+    """[Note: tie candidates] The planners split the groups with tied layers free to sit apart
+    (holding copies); when keeping every tie on one stage still leaves ``k`` groups, they also
+    split that graph. Both are scored by the copy-aware objective of ``problem`` (a plan
+    without copies pays nothing for ties), and the better one is kept."""
+    name, stage, notes = apart
+    score = problem.load(stage, k).objective()
+    if len(together) < k:
+        return name, stage, [*notes, f"ties: copies needed ({len(together)} groups without)"]
+    t_name, t_stage, _ = _best_automatic(together, k, method, contiguous)
+    layer_stage = together.stage_of(t_stage)
+    mapped = [_group_stage(layer_stage, members) for members in problem.groups]
+    t_score = problem.load(mapped, k).objective()
+    text = (f"ties: copies {score[1]:.6g}/{score[2]} vs one stage {t_score[1]:.6g}/"
+            f"{t_score[2]} (bottleneck/bytes)")
+    if better(t_score, score):
+        name, stage = t_name, mapped
+    split = any(len({stage[g] for g in tie.groups}) > 1 for tie in problem.ties)
+    return name, stage, [*notes, text, "ties: kept the copies" if split
+                         else "ties: kept each tie on one stage"]
 
 
 def _best_automatic(problem: Problem, k: int, method: str,

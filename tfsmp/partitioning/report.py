@@ -19,6 +19,7 @@ from tfsmp.graph.ir import LayerGraph
 from tfsmp.partitioning.contiguous import split_sequence
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.partitioning.planner import IMBALANCE_TARGET, vertex_weights
+from tfsmp.partitioning.ties import copy_memory
 
 __all__ = ["IMBALANCE_TARGET", "draw_plan", "explain_imbalance", "format_report", "stage_shares"]
 
@@ -81,6 +82,21 @@ def explain_imbalance(plan: StagePlan, graph: LayerGraph, *, optimize: str = "sp
     return f"imbalance {ratio:.3f} > {IMBALANCE_TARGET:.2f}: " + "; ".join(parts) + "."
 
 
+def _tie_lines(plan: StagePlan) -> list[str]:
+    """One line per set of tied variables: its copies, or the one stage that keeps it."""
+    out = []
+    for t in plan.ties:
+        names = ", ".join(t.variables[:3]) + (", ..." if len(t.variables) > 3 else "")
+        if t.copies > 1:
+            out.append(f"tied: [{names}] ({_bytes(t.param_bytes)}) has {t.copies} copies, on "
+                       f"stages {list(t.stages)}; their gradients are summed every step "
+                       f"({_bytes(t.trainable_param_bytes)} each way per stage)")
+        else:
+            out.append(f"tied: [{names}] ({_bytes(t.param_bytes)}) is kept on stage "
+                       f"{t.stages[0]}: one copy, used by {', '.join(t.nodes)}")
+    return out
+
+
 def format_report(plan: StagePlan, graph: LayerGraph, *, optimize: str = "speed",
                   memory_weight: float | None = None, optimizer: str | None = None,
                   batch_size: int = 1) -> str:
@@ -91,6 +107,8 @@ def format_report(plan: StagePlan, graph: LayerGraph, *, optimize: str = "speed"
     shares = stage_shares(plan, graph, optimize=optimize, memory_weight=memory_weight,
                           optimizer=optimizer, batch_size=batch_size)
     memory = [sum(graph.memory_of(n, optimizer, batch_size) for n in plan.layers(s))
+              + sum(copy_memory(t, optimizer) for t in plan.ties
+                    if s in t.stages and s != t.owner_stage)
               for s in range(plan.num_stages)]
     rows = [["stage", "layers", "parameters", "FLOPs", "activations", "memory", "bytes sent",
              "cost"]]
@@ -110,6 +128,7 @@ def format_report(plan: StagePlan, graph: LayerGraph, *, optimize: str = "speed"
         f"compute {plan.imbalance():.3f}, memory {_ratio(memory):.3f}",
         f"boundaries: {len(plan.boundaries)} tensors, {_bytes(sent)} sent per step "
         f"(forward; gradients return the same amount)",
+        *_tie_lines(plan),
     ]
     reason = explain_imbalance(plan, graph, optimize=optimize, memory_weight=memory_weight,
                                optimizer=optimizer, batch_size=batch_size)

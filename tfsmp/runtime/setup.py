@@ -11,9 +11,14 @@ from tfsmp.runtime.engine import Engine
 __all__ = ["build_engine", "make_plan", "make_schedule"]
 
 
-def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str, int] | None = None
-              ) -> StagePlan:
-    """The plan for ``config``: from ``partition_file``, manual scopes, or the automatic planners."""
+def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str, int] | None = None,
+              *, keep_ties: bool = False, step_samples: int | None = None) -> StagePlan:
+    """The plan for ``config``: from ``partition_file``, manual scopes, or the automatic planners.
+
+    ``keep_ties``: plan tied layers onto one stage where the model allows it (an SMP-style
+    subclass trains with `smp.step`, which cannot sum tied copies' gradients; [Note: tied
+    reduction] in tfsmp/runtime/ties.py); ``step_samples``: rows per optimizer step, which
+    prices tied copies' gradient reduction ([Note: pricing copies] in partitioning/ties.py)."""
     if config.partition_file:
         with open(config.partition_file) as f:
             plan = StagePlan.from_json(f.read())
@@ -28,11 +33,33 @@ def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str,
 
     method = "auto" if config.auto_partition else "manual"
     opt_name = type(optimizer).__name__.lower() if optimizer is not None else None
+    graph = traced.graph
+    if keep_ties and config.auto_partition:
+        graph = _ties_together(graph, config.num_stages)
     return plan_graph(
-        traced.graph, config.num_stages, optimize=config.optimize,
+        graph, config.num_stages, optimize=config.optimize,
         memory_weight=config.effective_memory_weight, method=method, manual=manual or {},
         default_partition=config.default_partition, contiguous=config.contiguous,
-        optimizer=opt_name)
+        optimizer=opt_name, step_samples=step_samples)
+
+
+def _ties_together(graph: Any, num_stages: int) -> Any:
+    """The graph with its ties co-located, when that still leaves a group per stage."""
+    if not graph.ties:
+        return graph
+    together = graph.with_ties_colocated()
+    groups = [g for g in together.groups() if any(not together.nodes[n].is_input for n in g)]
+    return together if len(groups) >= num_stages else graph
+
+
+def _rows(sample_x: Any) -> int | None:
+    """The batch size of a sample batch, when its first leaf has a known one."""
+    import tensorflow as tf
+
+    leaves = tf.nest.flatten(sample_x)
+    shape = getattr(leaves[0], "shape", None) if leaves else None
+    rows = shape[0] if shape is not None and len(shape) else None
+    return int(rows) if isinstance(rows, int) and rows > 0 else None
 
 
 def make_schedule(plan: StagePlan, config: Any, data_parallel: bool) -> dict[int, list[Any]]:
@@ -73,7 +100,8 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, loss: Any, optimizer:
             from tfsmp.graph.costs import profile
 
             profile(traced, profile_batch)
-        text = make_plan(traced, config, optimizer, manual).to_json()
+        text = make_plan(traced, config, optimizer, manual, keep_ties=subclassed,
+                         step_samples=_rows(sample_x)).to_json()
     plan = StagePlan.from_json(world.bcast_obj(text, root=0))
     stages = [s for s in range(plan.num_stages) if s % config.partitions == state.comm.pipeline.rank]
     _take_own_stage(traced, plan, stages)
