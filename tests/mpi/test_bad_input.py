@@ -46,9 +46,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "sample_weight_batch_differs": (
         "StepError", r"^Targets and sample weights must have one row per input row\. Received: "
         r"inputs with batch size 16, sample_weight with batch size 12\."),
-    "validation_split": ("StepError", r"^DistributedModel\.fit does not support validation_split "
-                         r"yet\. Received: validation_split=0\.2\."),
-    "class_weight": ("StepError", r"^DistributedModel\.fit does not support class_weight yet\."),
+    "validation_split": ("ValueError", r"^Argument `validation_split` is only supported for "
+                         r"tensors or NumPy arrays\."),
+    "class_weight": ("ValueError", r"^You cannot `class_weight` and `sample_weight` at the same "
+                     r"time\."),
     "unknown_fit_argument": ("TypeError", r"^fit\(\) got unexpected keyword arguments: "
                              r"\['epochz'\]"),
     "dataset_batch_size_not_int": ("StepError", r"^batch_size must be an int\. Received: "
@@ -57,8 +58,9 @@ EXPECTED: dict[str, tuple[str, str]] = {
                            r"model\.compile\(optimizer=\.\.\., loss=\.\.\.\) first\."),
     # model
     "boundary_shape_unknown": (
-        "StepError", r"^Tensors crossing stages need fully known per-sample shapes\. Received: "
-        r"'emb:0:0' with shape \(None, 4\)\. Give the model's Input a fixed shape"),
+        "StepError", r"^The shape of a tensor crossing stages must follow from the shapes of the "
+        r"model's inputs\. Received: '[^']+' has per-sample shape \(None.*\) .* Partition the "
+        r"model so that this tensor stays inside one stage"),
     # checkpoints
     "truncated_array": ("CheckpointError", r"^A checkpoint file has the wrong size \(truncated\?\)"
                         r"\. Received: file '.*/truncated_array/ckpt-1/model/d2_kernel\..*\.npy' "
@@ -78,9 +80,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
                                 r"passwd'"),
     "tensorflow_checkpoint": ("CheckpointError", r"^restore_prefix must name a complete "
                               r"checkpoint\. Received: restore_prefix='.*/tf_native/ckpt-1'"),
-    "unknown_restore_prefix": ("CheckpointError", r"^restore_prefix must name a complete "
-                               r"checkpoint\. Received: restore_prefix='ckpt-7'; '.*/good' holds "
-                               r"\['ckpt-1'\]\."),
+    # (a restore_prefix naming no checkpoint is a logged no-op, as in SMP: tests/tf/test_export_ckpt_smp.py)
     "wrong_shapes": ("CheckpointError", r"^A checkpoint variable must have the model variable's "
                      r"shape\. Received: 'd0/kernel' has shape \(8, 16\) .* the model's is "
                      r"\(8, 32\)\."),

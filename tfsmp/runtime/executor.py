@@ -15,7 +15,9 @@ which is what the schedule validator checks.
 [Note: tags] A message is one boundary tensor of one microbatch in one direction; its tag comes
 from `tfsmp.schedule.actions.message_tag` (boundary index, consumer stage, microbatch, direction),
 which every rank computes identically from the plan. Stage pairs on the same rank (virtual
-stages) hand tensors over in memory under the same key.
+stages) hand tensors over in memory under the same key. A boundary whose shape is known only at
+run time also sends a shape header, tagged ``tag_upper_bound(...) + tag`` ([Note: dynamic
+boundaries] in `dynamic_shapes.py`).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ import tensorflow as tf
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime import watchdog as wd
+from tfsmp.runtime.dynamic_shapes import BoundaryShapes, is_dynamic
 from tfsmp.runtime.stage import StageProgram, is_differentiable
-from tfsmp.schedule.actions import message_tag
+from tfsmp.schedule.actions import message_tag, tag_upper_bound
 
 __all__ = ["Executor", "MicroBatch", "StepResult"]
 
@@ -131,6 +134,11 @@ class _Pending:
     boundaries: list[Boundary]
     buffers: list[np.ndarray]
     requests: list[Any]
+    headers: list[tuple[Boundary, np.ndarray]] = field(default_factory=list)
+    header_requests: list[Any] = field(default_factory=list)
+
+
+_POOL_SHAPES = 4  # distinct shapes per message whose buffers a dynamic-shape executor keeps
 
 
 class Executor:
@@ -148,6 +156,7 @@ class Executor:
         stall_timeout: float = 600.0,
         tracer: Any = None,
         rank_tag: str = "",
+        shapes: BoundaryShapes | None = None,
     ) -> None:
         self.actions = actions
         self.programs = programs
@@ -166,6 +175,15 @@ class Executor:
         for b in plan.boundaries:
             for c in b.consumers:
                 self._pairs.setdefault((b.producer, c), []).append(b)
+        # [Note: dynamic boundaries]: None for a plan whose boundary shapes are all static
+        self.shapes = shapes
+        self.mb_shapes: list[dict[int, tuple[int, ...]]] = []
+        self._header_base = tag_upper_bound(
+            max((b.index for b in plan.boundaries), default=-1) + 1, plan.num_stages, self.m)
+        self._pool_limit = _POOL_SHAPES * sum(
+            len(self._pair(*((a.stage, a.peer) if a.op.value == "RECV_B" else (a.peer, a.stage)),
+                           a.op.value == "RECV_B"))
+            for a in actions if a.op.value in ("RECV_F", "RECV_B"))
         self._dispatch: dict[str, Callable[[Any], None]] = {
             "F": self._forward, "B": self._backward,
             "SEND_F": self._send_forward, "RECV_F": self._recv_forward,
@@ -188,7 +206,13 @@ class Executor:
     def _tag(self, b: Boundary, consumer: int, mb: int, backward: bool) -> int:
         return message_tag(b.index, consumer, mb, backward, self.plan.num_stages, self.m)
 
-    def _buffer(self, key: tuple[Any, ...], b: Boundary, mb_size: int) -> np.ndarray:
+    def _shape(self, b: Boundary, mb: int) -> tuple[int, ...]:
+        """The full shape of boundary ``b`` in microbatch ``mb`` (batch axis first)."""
+        if self.shapes is None:
+            return (self.mbs[mb].size, *b.shape)  # type: ignore[arg-type]
+        return self.mb_shapes[mb][b.index]
+
+    def _buffer(self, key: tuple[Any, ...], b: Boundary, shape: tuple[int, ...]) -> np.ndarray:
         """The receive buffer of one message: the one it had last step unless that is taken.
 
         [Note: receive buffers] A received message becomes a tensor without a copy: the buffer
@@ -202,15 +226,16 @@ class Executor:
         held (an output the user kept, say) is left to its tensor and the message gets a new
         one. Types DLPack cannot carry (bfloat16) are copied into a tensor when received, so
         their buffers are always free. A step that ended early (an exception) may leave
-        receives posted into its buffers, so the next step starts a new pool.
+        receives posted into its buffers, so the next step starts a new pool. With shapes known
+        only at run time ([Note: dynamic boundaries]) a message keeps one buffer per shape, so
+        batches alternating between a few lengths reuse theirs; past `_POOL_SHAPES` shapes per
+        message the pool starts afresh, which bounds its memory.
         """
-        if any(d is None for d in b.shape):
-            raise StepError(
-                f"{self.rank_tag} Tensors crossing stages need fully known per-sample shapes. "
-                f"Received: '{b.tensor}' with shape {b.shape}. Give the model's Input a fixed "
-                f"shape, or partition so that this tensor stays inside one stage.")
         dtype = np.dtype(tf.as_dtype(b.dtype).as_numpy_dtype)
-        shape = (mb_size, *(int(d) for d in b.shape if d is not None))
+        if self.shapes is not None:
+            key = (*key, shape)
+            if key not in self._pool and len(self._pool) >= self._pool_limit:
+                self._pool = {}
         buf = self._pool.get(key)
         if buf is None or buf.shape != shape or buf.dtype != dtype or held(buf):
             buf = self._pool[key] = aligned_empty(shape, dtype)
@@ -260,6 +285,8 @@ class Executor:
         self.train = train
         self.reduce_fn = reduce
         self.step_fn = step
+        if self.shapes is not None:  # every rank alike, from the inputs, before any message
+            self.mb_shapes = self._resolve_shapes(microbatches)
         self.result = StepResult()
         self.posted = {}
         self.mailbox: dict[tuple[str, int, int, int], list[tf.Tensor]] = {}
@@ -288,6 +315,12 @@ class Executor:
             dog.step_end()
         return self.result
 
+    def _resolve_shapes(self, microbatches: list[MicroBatch]) -> list[dict[int, tuple[int, ...]]]:
+        try:
+            return [self.shapes.of(mb) for mb in microbatches]  # type: ignore[union-attr]
+        except StepError as e:
+            raise StepError(f"{self.rank_tag} {e}".strip()) from e
+
     def _post_receives(self) -> None:
         for a in self.actions:
             op = a.op.value
@@ -296,13 +329,35 @@ class Executor:
             backward = op == "RECV_B"
             producer, consumer = (a.stage, a.peer) if backward else (a.peer, a.stage)
             bs = self._pair(producer, consumer, backward)
-            size = self.mbs[a.microbatch].size
-            buffers = [self._buffer((op, a.stage, a.peer, a.microbatch, b.index), b, size)
-                       for b in bs]
+            buffers = [self._buffer((op, a.stage, a.peer, a.microbatch, b.index), b,
+                                    self._shape(b, a.microbatch)) for b in bs]
             src = self._rank(a.peer)
             reqs = [self.group.irecv(_wire(buf), src, self._tag(b, consumer, a.microbatch, backward))
                     for b, buf in zip(bs, buffers)]
-            self.posted[(op, a.stage, a.peer, a.microbatch)] = _Pending(bs, buffers, reqs)
+            pending = self.posted[(op, a.stage, a.peer, a.microbatch)] = _Pending(bs, buffers, reqs)
+            if self.shapes is not None and not backward:
+                self._post_headers(pending, src, consumer, a.microbatch)
+
+    def _post_headers(self, pending: _Pending, src: int, consumer: int, mb: int) -> None:
+        """Receives the shape header of each dynamic boundary ([Note: dynamic boundaries])."""
+        for b in pending.boundaries:
+            if is_dynamic(b.shape):
+                header = np.empty(len(b.shape) + 1, dtype=np.int64)
+                pending.headers.append((b, header))
+                pending.header_requests.append(self.group.irecv(
+                    header, src, self._header_base + self._tag(b, consumer, mb, False)))
+
+    def _check_headers(self, pending: _Pending, a: Any) -> None:
+        """The shapes the sender sent must be those this rank computed from its own batch."""
+        self._wait(pending.header_requests, f"shapes of microbatch {a.microbatch} from stage {a.peer}")
+        for b, header in pending.headers:
+            got, want = tuple(int(d) for d in header), self._shape(b, a.microbatch)
+            if got != want:
+                raise StepError(
+                    f"{self.rank_tag} Every rank of a pipeline must see batches of the same "
+                    f"shapes. Received: stage {a.peer} sent '{b.tensor}' of microbatch "
+                    f"{a.microbatch} with shape {got}; this rank's inputs give {want}. Feed every "
+                    f"rank the same batches (same data, order and padding; seed any shuffling).")
 
     def _transmit(self, kind: str, stage: int, peer: int, mb: int, bs: list[Boundary],
                   tensors: list[tf.Tensor], consumer: int) -> None:
@@ -310,9 +365,26 @@ class Executor:
             self.mailbox[(kind, peer, stage, mb)] = tensors
             return
         for b, t in zip(bs, tensors):
+            if self.shapes is not None and kind == "RECV_F" and is_dynamic(b.shape):
+                self._send_header(b, t, peer, mb, consumer)
             buf = _wire(host_view(t))
             req = self.group.isend(buf, self._rank(peer), self._tag(b, consumer, mb, kind == "RECV_B"))
             self.sends.append((req, buf))
+
+    def _send_header(self, b: Boundary, t: tf.Tensor, peer: int, mb: int, consumer: int) -> None:
+        """Checks a dynamic tensor against its resolved shape and sends that shape ahead."""
+        want = self._shape(b, mb)
+        if tuple(t.shape) != want:
+            raise StepError(
+                f"{self.rank_tag} A tensor crossing stages must have the shape its layers' "
+                f"compute_output_spec gives for the batch's input shapes. Received: '{b.tensor}' "
+                f"of microbatch {mb} has shape {tuple(t.shape)}, expected {want}. Fix that "
+                f"layer's compute_output_spec (or compute_output_shape), or partition so that "
+                f"this tensor stays inside one stage.")
+        header = np.asarray(want, dtype=np.int64)
+        req = self.group.isend(header, self._rank(peer),
+                               self._header_base + self._tag(b, consumer, mb, False))
+        self.sends.append((req, header))
 
     def _collect(self, kind: str, a: Any) -> tuple[list[Boundary], list[tf.Tensor]]:
         if self._local(a.peer):
@@ -320,6 +392,8 @@ class Executor:
             producer, consumer = (a.stage, a.peer) if backward else (a.peer, a.stage)
             return self._pair(producer, consumer, backward), self.mailbox.pop((kind, a.stage, a.peer, a.microbatch))
         pending = self.posted.pop((kind, a.stage, a.peer, a.microbatch))
+        if pending.header_requests:  # before the data, which a larger message would overrun
+            self._check_headers(pending, a)
         self._wait(pending.requests, f"{'gradients' if kind == 'RECV_B' else 'activations'} of "
                    f"microbatch {a.microbatch} from stage {a.peer}")
         return pending.boundaries, [as_tensor(buf) for buf in pending.buffers]
@@ -369,9 +443,9 @@ class Executor:
         prog = self.programs[a.stage]
         self.produced.pop((a.stage, a.microbatch), None)
         got = self.grad_in.pop((a.stage, a.microbatch), {})
-        size = self.mbs[a.microbatch].size
         dys = [got[b.index] if b.index in got else
-               tf.zeros((size, *b.shape), dtype=tf.as_dtype(b.dtype)) for b in prog.send]
+               tf.zeros(self._shape(b, a.microbatch), dtype=tf.as_dtype(b.dtype))
+               for b in prog.send]
         grads = prog.backward(a.microbatch, dys)
         self.grad_out[(a.stage, a.microbatch)] = {b.index: g for b, g in zip(prog.recv, grads)}
 

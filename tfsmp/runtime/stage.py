@@ -65,6 +65,7 @@ class StageProgram:
         optimize: str = "memory",
         loss: Callable[..., tf.Tensor] | None = None,
         jit_compile: bool = False,
+        relax_shapes: bool = False,
     ) -> None:
         self.stage = stage
         self.is_last = stage == plan.num_stages - 1
@@ -97,7 +98,13 @@ class StageProgram:
         self._stash: dict[int, _Stash] = {}
         self.scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name=f"scale_{stage}")
         self.loss_scaler: Callable[[tf.Tensor], tf.Tensor] | None = None  # mixed_float16
-        compile_fn = (lambda f: tf.function(f, jit_compile=True)) if jit_compile else tf.function
+        # [Note: relaxed shapes] With inputs whose shapes vary between batches (sequence
+        # lengths), a program traces for the first shape and once more, with the varying
+        # dimensions relaxed to None, at the second; every later shape, new or seen, reuses a
+        # trace (what Keras's own train function does). Static models keep exact-shape traces.
+        def compile_fn(f: Callable[..., Any]) -> Any:
+            return tf.function(f, jit_compile=jit_compile or None, reduce_retracing=relax_shapes)
+
         self._fwd = compile_fn(self._forward_fn)
         self._bwd_recompute = compile_fn(self._backward_recompute_fn)
         self._fused = compile_fn(self._fused_fn)
