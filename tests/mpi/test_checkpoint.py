@@ -189,7 +189,8 @@ def test_new_job_restores_the_checkpoint_before_the_killed_save(phase_b: dict[st
         assert r["restored"].endswith("kill/ckpt-1")
         assert r["exact"]  # bit-identical weights, now under p=2, d=2
         assert r["again"].endswith("kill/ckpt-2")
-        assert r["after"] == ["ckpt-1", "ckpt-2", "latest"]  # the stale .tmp is gone
+        # the stale .tmp is gone (mp_rank_<i>: [Note: SMP layout markers] in checkpoint/format.py)
+        assert r["after"] == ["ckpt-1", "ckpt-2", "latest", "mp_rank_0", "mp_rank_1"]
 
 
 # -- export ------------------------------------------------------------------------------------------

@@ -341,7 +341,7 @@ def test_load_weights_mismatch_and_skip(smp: object, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("path,match", [
-    ("m.h5", r"path ending in `\.keras`.*save_model\(directory\)"),
+    ("m.pb", r"path ending in `\.keras`.*save_model\(directory\)"),  # (.h5: legacy HDF5)
     ("m", r"Received: filepath=m\. For a TensorFlow SavedModel"),
 ])
 def test_save_needs_a_keras_extension(smp: object, path: str, match: str) -> None:

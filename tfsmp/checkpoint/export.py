@@ -37,7 +37,10 @@ from tfsmp.errors import CheckpointError
 __all__ = ["apply_pending", "load_weights", "save", "save_model", "save_weights"]
 
 _TAG = 0x7C4B  # message tag of the gather to world rank 0 (its own tag, never a pipeline one)
-_PENDING: weakref.WeakKeyDictionary[Any, list[Callable[[Any], None]]] = weakref.WeakKeyDictionary()
+_PENDING: weakref.WeakKeyDictionary[Any, list[tuple[Callable[[Any], object], bool]]] = (
+    weakref.WeakKeyDictionary())
+# dtypes of the first batch: a list, or {input name: dtype} for a dict batch
+_FED: weakref.WeakKeyDictionary[Any, list[str] | dict[str, str]] = weakref.WeakKeyDictionary()
 _LAST_READ: list[str] = []  # datasets this process read in its last load (tests check partial reads)
 
 
@@ -48,13 +51,16 @@ def last_read() -> list[str]:
 
 # -- pending work ------------------------------------------------------------------------------
 
-def defer(dm: Any, fn: Callable[[Any], None]) -> None:
-    """Runs ``fn(dm)`` in `apply_pending`, right after ``dm`` is partitioned."""
-    _PENDING.setdefault(dm, []).append(fn)
+def defer(dm: Any, fn: Callable[[Any], object], weights: bool = True) -> None:
+    """Runs ``fn(dm)`` in `apply_pending`, right after ``dm`` is partitioned.
+
+    ``weights``: whether ``fn`` assigns model weights (then a weights file written before
+    partitioning would miss them, and `save` refuses)."""
+    _PENDING.setdefault(dm, []).append((fn, weights))
 
 
-def has_pending(dm: Any) -> bool:
-    return bool(_PENDING.get(dm))
+def has_pending(dm: Any, weights_only: bool = False) -> bool:
+    return any(w or not weights_only for _, w in _PENDING.get(dm, ()))
 
 
 def apply_pending(dm: Any) -> None:
@@ -63,8 +69,22 @@ def apply_pending(dm: Any) -> None:
     `DistributedModel` calls this on every rank right after building its engine.
     """
     work = _PENDING.pop(dm, [])
-    for fn in work:
+    for fn, _ in work:
         fn(dm)
+
+
+def remember_inputs(dm: Any, sample_x: Any) -> None:
+    """Keeps the dtypes of the first batch: `save_model`'s serving signature takes them, as SMP's
+    did (SMP scripts feed ``x / 255.0``, float64, to a float32 model)."""
+    import tensorflow as tf
+
+    def dtype(t: Any) -> str:
+        return str(keras.backend.standardize_dtype(getattr(t, "dtype", None) or "float32"))
+
+    if isinstance(sample_x, dict):  # by input name: flattening would sort the keys
+        _FED[dm] = {str(k): dtype(v) for k, v in sample_x.items() if not isinstance(v, dict)}
+    else:
+        _FED[dm] = [dtype(t) for t in tf.nest.flatten(sample_x)]
 
 
 # -- who holds what ------------------------------------------------------------------------------
@@ -155,7 +175,7 @@ def _collective_write(dm: Any, target: str, overwrite: bool,
     """Every rank: gathers the weights to world rank 0, which writes a temporary weights file
     and calls ``finish(weights_file, output_path)``; errors are raised on every rank."""
     world = _state(dm).comm.world
-    if dm._engine is None and has_pending(dm):
+    if dm._engine is None and has_pending(dm, weights_only=True):
         raise CheckpointError(
             f"A model with a pending load_weights/restore can be saved once it is partitioned. "
             f"Received: save to {target!r} before the first step. Fix: run a step (or "
@@ -233,10 +253,12 @@ def save_weights(dm: Any, filepath: str, overwrite: bool = True) -> None:
 
 
 def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
-    """`DistributedModel.save`: ``.keras`` (whole model) or ``.weights.h5`` (weights).
+    """`DistributedModel.save`: ``.keras`` (whole model), ``.weights.h5`` (weights) or
+    ``.h5``/``.hdf5`` (Keras's legacy HDF5 model file, as ``keras.Model.save`` writes it).
 
     Every rank calls it; world rank 0 writes a file that plain ``keras.models.load_model``
-    opens in one process.
+    opens in one process. The optimizer's state is not written (it lives on the stages); use
+    `CheckpointManager` to resume training.
 
     Raises:
         ValueError: another extension or unsupported arguments.
@@ -251,18 +273,67 @@ def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
     if path.endswith(".weights.h5"):
         save_weights(dm, path, overwrite)
         return
+    if path.endswith((".h5", ".hdf5")):
+        _save_legacy_h5(dm, path, overwrite, bool(kwargs.get("include_optimizer", True)))
+        return
     if not path.endswith(".keras"):
         raise ValueError(
-            f"DistributedModel.save needs a path ending in `.keras` (whole model) or "
-            f"`.weights.h5` (weights only). Received: filepath={path}. For a TensorFlow "
-            f"SavedModel call model.save_model(directory); to resume training use "
-            f"tfsmp.CheckpointManager.")
+            f"DistributedModel.save needs a path ending in `.keras` (whole model), `.h5` "
+            f"(legacy HDF5 model) or `.weights.h5` (weights only). Received: filepath={path}. "
+            f"For a TensorFlow SavedModel call model.save_model(directory); to resume training "
+            f"use tfsmp.CheckpointManager.")
     source = dm._source_model()
 
     def finish(weights: str, out: str) -> None:
         keras_h5.write_keras_archive(out, source, weights)
 
     _collective_write(dm, path, overwrite, finish)
+
+
+def _save_legacy_h5(dm: Any, path: str, overwrite: bool, include_optimizer: bool) -> None:
+    """What ``keras.Model.save("m.h5")`` writes (Keras 3.15: ``legacy_h5_format``), from a
+    single-process copy of the model on world rank 0."""
+
+    def finish(weights: str, out: str) -> None:
+        copy = _standalone_copy(dm, weights)
+        legacy = out + ".h5"  # Keras picks the format by extension
+        keras.saving.save_model(copy, legacy, overwrite=True, include_optimizer=False)
+        if include_optimizer:
+            _write_training_config(dm, copy, legacy)
+        os.replace(legacy, out)
+
+    _collective_write(dm, path, overwrite, finish)
+
+
+def _write_training_config(dm: Any, copy: keras.Model, h5_path: str) -> None:
+    """Adds the compile arguments (loss, metrics, optimizer config) Keras stores in an HDF5 file,
+    so ``load_model`` compiles the model; the optimizer's variables are not stored. Left out, with
+    a warning, when Keras could not read them back (e.g. ``loss="mse"`` in Keras 3.15)."""
+    import json
+
+    import h5py
+    from keras.src.legacy.saving import saving_options, saving_utils
+
+    compile_config = getattr(dm, "_compile_config", None)
+    if compile_config is None or getattr(dm, "optimizer", None) is None:
+        return
+    try:
+        config = dict(compile_config.config)
+        config["optimizer"] = keras.optimizers.deserialize(keras.optimizers.serialize(dm.optimizer))
+        copy.compile(**config)
+        with saving_options.keras_option_scope(use_legacy_config=True):
+            training = saving_utils.model_metadata(copy, include_optimizer=True)["training_config"]
+        saving_utils.compile_args_from_training_config(training)  # what load_model will do
+    except Exception as e:
+        warnings.warn(f"The HDF5 file holds no compile arguments: Keras could not read them back "
+                      f"({type(e).__name__}: {e}). Compile the loaded model, or save to `.keras`.",
+                      stacklevel=5)
+        return
+    from keras.src.legacy.saving import json_utils
+
+    with h5py.File(h5_path, "a") as f:
+        f.attrs["training_config"] = json.dumps(
+            training, default=json_utils.get_json_type).encode("utf8")
 
 
 # -- loading pretrained weights -----------------------------------------------------------------
@@ -284,8 +355,10 @@ def _check_weights_path(path: str) -> None:
 def load_weights(dm: Any, filepath: str, skip_mismatch: bool = False) -> None:
     """Loads a Keras ``.weights.h5``/``.keras`` file; each rank reads only its own variables.
 
-    Before partitioning it is kept and applied right after (see `apply_pending`). Layer
-    ``trainable`` flags are untouched, so frozen layers stay frozen.
+    Before partitioning the variables that exist (a built model's: all of them) are assigned at
+    once, so `get_weights`, `save` and reading a variable see the loaded values; variables not
+    allocated yet (a model built in `deferred_init`) are loaded right after partitioning (see
+    `apply_pending`). Layer ``trainable`` flags are untouched, so frozen layers stay frozen.
 
     Raises:
         ValueError: another extension.
@@ -295,16 +368,27 @@ def load_weights(dm: Any, filepath: str, skip_mismatch: bool = False) -> None:
     """
     path = str(os.fspath(filepath))
     _check_weights_path(path)
-    if dm._engine is None:
-        defer(dm, lambda m: _load_now(m, path, skip_mismatch))
+    if dm._engine is not None:
+        _load_now(dm, path, skip_mismatch)
         return
-    _load_now(dm, path, skip_mismatch)
+    done = _load_now(dm, path, skip_mismatch)
+    if any(isinstance(e.value, keras.Variable) and id(e.value) not in done
+           for e in _layout(dm).entries):
+        defer(dm, lambda m: _load_now(m, path, skip_mismatch, exclude=done))
 
 
-def _held_entries(dm: Any, layout: H5Layout) -> list[tuple[Entry, Any]]:
+def _held_entries(dm: Any, layout: H5Layout, exclude: frozenset[int] = frozenset()
+                  ) -> list[tuple[Entry, Any]]:
+    """Entries of the variables this rank holds: after partitioning its stages', before it every
+    allocated one; less ``exclude`` (ids of variables loaded already)."""
+    from tfsmp.graph.deferred import is_deferred
+
+    if dm._engine is None:
+        return [(e, e.value) for e in layout.entries if isinstance(e.value, keras.Variable)
+                and not is_deferred(e.value) and id(e.value) not in exclude]
     from tfsmp.checkpoint.layout import Layout
 
-    held = {id(v) for v in Layout.of(dm).held_variables().values()}
+    held = {id(v) for v in Layout.of(dm).held_variables().values()} - exclude
     return [(e, e.value) for e in layout.entries
             if isinstance(e.value, keras.Variable) and id(e.value) in held]
 
@@ -345,15 +429,18 @@ def _read_held(path: str, entries: list[tuple[Entry, Any]], layout: H5Layout,
     return out, problems, []
 
 
-def _load_now(dm: Any, path: str, skip_mismatch: bool) -> None:
+def _load_now(dm: Any, path: str, skip_mismatch: bool, exclude: frozenset[int] = frozenset()
+              ) -> frozenset[int]:
+    """Reads and assigns the held variables (a collective call); returns the ids it handled
+    (assigned, or skipped with ``skip_mismatch``)."""
     world = _state(dm).comm.world
     layout = _layout(dm)
+    entries = _held_entries(dm, layout, exclude)
     errors: list[str] = []
     skipped: list[str] = []
     values: list[tuple[Any, np.ndarray]] = []
     try:
-        values, errors, skipped = _read_held(path, _held_entries(dm, layout), layout,
-                                             skip_mismatch)
+        values, errors, skipped = _read_held(path, entries, layout, skip_mismatch)
     except Exception as e:  # every rank must learn of it before anyone assigns
         errors = [str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"]
     everyone = [e for part in world.allgather_obj(errors) for e in part]
@@ -364,23 +451,38 @@ def _load_now(dm: Any, path: str, skip_mismatch: bool) -> None:
         warnings.warn(f"Skipped while loading weights: {message}", stacklevel=3)
     for v, value in values:
         v.assign(value)
+    return frozenset(id(v) for _, v in entries)
 
 
 # -- SavedModel --------------------------------------------------------------------------------
 
-def _standalone_copy(dm: Any, keras_file: str, weights_file: str) -> keras.Model:
+def _fresh_instance(source: keras.Model) -> keras.Model:
+    """A new instance of a subclassed model's class: from its config, or (SMP's usual subclass,
+    ``__init__(self)``, whose config has keys its constructor does not take) with no arguments."""
+    try:
+        return type(source).from_config(source.get_config())
+    except TypeError as config_error:
+        try:
+            return type(source)()
+        except TypeError:
+            raise config_error from None
+
+
+def _standalone_copy(dm: Any, weights_file: str) -> keras.Model:
     """A fully materialized single-process copy of the model, with the saved weights.
 
-    A Functional/Sequential model is read back from the ``.keras`` file; a subclassed one is
-    rebuilt from its config, built by a symbolic call of its ``call`` (a Functional model over
-    its layers, as the tracer does), and given the weights."""
+    A Functional/Sequential model is read back from a ``.keras`` file of its config and these
+    weights; a subclassed one is re-instantiated, built by a symbolic call of its ``call`` (a
+    Functional model over its layers, as the tracer does), and given the weights."""
     from keras.src.models.functional import Functional
     from keras.src.saving import saving_lib
 
     source = dm._source_model()
     if isinstance(source, (Functional, keras.Sequential)):
+        keras_file = os.path.join(os.path.dirname(weights_file), "model.keras")
+        keras_h5.write_keras_archive(keras_file, source, weights_file)
         return keras.saving.load_model(keras_file, compile=False)
-    copy = type(source).from_config(source.get_config())
+    copy = _fresh_instance(source)
     specs = dm._engine.traced.input_specs
     inputs = [keras.Input(shape=tuple(s.shape)[1:], dtype=s.dtype) for s in specs]
     args = inputs[0] if len(inputs) == 1 else inputs
@@ -390,11 +492,30 @@ def _standalone_copy(dm: Any, keras_file: str, weights_file: str) -> keras.Model
     return functional
 
 
+def _serving_signature(dm: Any, model: keras.Model) -> list[Any] | None:
+    """One ``tf.TensorSpec`` per input with the dtype of the batches the model was fed (SMP
+    traced its signature from the step's arguments); None before the first step."""
+    import tensorflow as tf
+
+    fed = _FED.get(dm)
+    inputs = list(getattr(model, "inputs", None) or [])
+    if isinstance(fed, dict):
+        names = [str(getattr(t, "name", "")).split(":")[0] for t in inputs]
+        fed = [fed[n] for n in names] if all(n in fed for n in names) else None
+    if not fed or len(fed) != len(inputs):
+        return None
+    specs = [tf.TensorSpec((None, *tuple(t.shape)[1:]), dtype=d, name=getattr(t, "name", None))
+             for t, d in zip(inputs, fed)]
+    return [specs[0]] if len(specs) == 1 else [specs]
+
+
 def save_model(dm: Any, save_path: str = "/opt/ml/model") -> None:
     """SMP's `save_model`: the whole unpartitioned model as a TensorFlow SavedModel.
 
     Every rank calls it; world rank 0 rebuilds the model in one process and exports it, so
     ``tf.saved_model.load(save_path).signatures["serving_default"](x)["output_0"]`` serves it.
+    The signature takes inputs of the dtype the model was fed (float64 when a script fed
+    ``x / 255.0``), cast to the model's own input dtype inside.
     """
     from tfsmp.checkpoint.layout import resolve_sagemaker_path
 
@@ -402,21 +523,15 @@ def save_model(dm: Any, save_path: str = "/opt/ml/model") -> None:
     st = _state(dm)
     world = st.comm.world
     tmpdir = tempfile.mkdtemp(prefix=".tfsmp-export-") if world.rank == 0 else ""
-    keras_file = os.path.join(tmpdir, "model.keras")
     weights_file = os.path.join(tmpdir, "model.weights.h5")
     try:
-        from keras.src.models.functional import Functional
-
-        plain = isinstance(dm._source_model(), (Functional, keras.Sequential))
-        if plain:
-            save(dm, keras_file if world.rank == 0 else "unused.keras")
-        else:
-            save_weights(dm, weights_file if world.rank == 0 else "unused.weights.h5")
+        save_weights(dm, weights_file if world.rank == 0 else "unused.weights.h5")
         outcome = None
         if world.rank == 0:
             try:
-                copy = _standalone_copy(dm, keras_file, weights_file)
-                copy.export(str(save_path), format="tf_saved_model", verbose=False)
+                copy = _standalone_copy(dm, weights_file)
+                copy.export(str(save_path), format="tf_saved_model", verbose=False,
+                            input_signature=_serving_signature(dm, copy))
             except Exception as e:  # every rank raises it
                 outcome = f"{type(e).__name__}: {e}"
         outcome = world.bcast_obj(outcome, root=0)

@@ -42,6 +42,7 @@ __all__ = [
     "FORMAT", "LATEST", "MANIFEST", "VERSION", "array_file", "atomic_write_text", "begin",
     "checkpoint_number", "commit", "list_checkpoints", "prune", "read_array", "read_latest",
     "read_manifest", "resolve", "safe_join", "write_array", "write_latest", "write_manifest",
+    "write_smp_markers",
 ]
 
 FORMAT = "tfsmp-checkpoint"
@@ -278,6 +279,23 @@ def read_latest(root: str, prefix: str) -> str | None:
 
 def write_latest(root: str, name: str) -> None:
     atomic_write_text(os.path.join(root, LATEST), name + "\n")
+
+
+def write_smp_markers(root: str, name: str, partitions: int) -> None:
+    """``<root>/mp_rank_<i>/checkpoint`` for every pipeline rank i, naming ``<name>``.
+
+    [Note: SMP layout markers] SMP wrote one TensorFlow checkpoint per partition under
+    ``mp_rank_<i>/`` with TF's ``checkpoint`` state file beside it, and scripts check for those
+    files (AWS's DLC ``tf2_conv.py`` asserts them; resume logic tests ``mp_rank_0/checkpoint``).
+    tfsmp's checkpoint is one partition-independent directory, so these are markers only, in
+    TF's state-file syntax: ``model_checkpoint_path: "../ckpt-N"``. TensorFlow finds no TF
+    checkpoint there (no ``.index``), which is right: restore through `CheckpointManager`.
+    """
+    text = f'model_checkpoint_path: "../{name}"\nall_model_checkpoint_paths: "../{name}"\n'
+    for i in range(partitions):
+        folder = os.path.join(root, f"mp_rank_{i}")
+        os.makedirs(folder, exist_ok=True)
+        atomic_write_text(os.path.join(folder, "checkpoint"), text)
 
 
 def resolve(root: str, prefix: str, restore_prefix: str | None) -> str | None:

@@ -4,7 +4,7 @@ Example::
 
     ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=tf.Variable(0))
     manager = smp.CheckpointManager(ckpt, directory="/opt/ml/checkpoints", max_to_keep=3)
-    manager.restore()                      # latest, if any; at step 0 it applies after partitioning
+    manager.restore()                      # latest, if any (none: a logged no-op)
     for step, (x, y) in enumerate(data):
         train_step(x, y)
         if step % 100 == 0:
@@ -18,6 +18,7 @@ e replicas, each rank reading only its own variables.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -28,6 +29,8 @@ from tfsmp.checkpoint import store
 from tfsmp.errors import CheckpointError
 
 __all__ = ["CheckpointManager"]
+
+_LOG = logging.getLogger("tfsmp.checkpoint")
 
 
 def _children(checkpoint: Any) -> dict[str, Any]:
@@ -149,33 +152,64 @@ class CheckpointManager:
     def restore(self, restore_prefix: str | None = None) -> str | None:
         """Restores ``restore_prefix`` (a name like ``"ckpt-2"`` or a path; None: the latest).
 
-        Every rank calls it. Before the model is partitioned (e.g. at step 0) the restore is
-        applied right after partitioning, before the first step runs.
+        Every rank calls it. Before the model is partitioned (e.g. at step 0) the model's
+        variables that exist and the checkpoint's extra variables are restored at once (so
+        ``get_weights``, ``save`` and reading a variable see them); the optimizer's state (and
+        variables of a model built in `deferred_init`) follow right after partitioning.
+
+        As SMP's, a restore with nothing to restore (no checkpoint yet, or ``restore_prefix``
+        naming one that does not exist) changes nothing and logs a warning.
 
         Returns:
             The checkpoint's path, or None when there is none to restore.
 
         Raises:
-            CheckpointError: ``restore_prefix`` names no checkpoint, or the checkpoint is bad
-                (raised before any variable changes).
+            CheckpointError: ``restore_prefix`` names something that is not a tfsmp checkpoint
+                (e.g. a TensorFlow one), or the checkpoint is bad (raised before any variable
+                changes).
         """
-        path = fmt.resolve(self._directory, self._name, restore_prefix)
+        try:
+            path = fmt.resolve(self._directory, self._name, restore_prefix)
+        except CheckpointError:
+            if _exists_as_something(self._directory, restore_prefix):
+                raise
+            path = None
         if path is None:
+            names = [os.path.basename(p) for p in self.checkpoints]
+            what = "latest" if restore_prefix is None else repr(restore_prefix)
+            _LOG.warning("No checkpoint restored: %s is not in '%s' (it holds %s). Training starts "
+                         "from the model's current state.", what, self._directory,
+                         names or "no checkpoints")
             return None
         self.restore_path(path)
         return path
 
-    def restore_path(self, path: str) -> dict[str, Any] | None:
-        """Restores the checkpoint at ``path``; returns its manifest (None if deferred)."""
+    def restore_path(self, path: str) -> dict[str, Any]:
+        """Restores the checkpoint at ``path``; returns its manifest."""
         from tfsmp.checkpoint import export
 
         dm = self._model
+        if dm._engine is not None:
+            return store.restore_state(dm, path, optimizer=self._optimizer, extras=self._extras)
+        manifest, done = store.restore_unpartitioned(dm, path, extras=self._extras)
+        weights = dm._source_model().weights  # none yet: a subclass is built at partitioning
+        rest_of_model = not weights or any(id(v) not in done for v in weights)
+        if self._optimizer is not None or rest_of_model:
+            optimizer = self._optimizer
 
-        def apply(model: Any) -> None:
-            store.restore_state(model, path, optimizer=self._optimizer, extras=self._extras)
+            def apply(model: Any) -> None:
+                store.restore_state(model, path, optimizer=optimizer, skip=done, rng=False)
 
-        if dm._engine is None:
-            fmt.read_manifest(path)  # fail now, not at the first step, if it is unreadable
-            export.defer(dm, apply)
-            return None
-        return store.restore_state(dm, path, optimizer=self._optimizer, extras=self._extras)
+            export.defer(dm, apply, weights=rest_of_model)
+        return manifest
+
+
+def _exists_as_something(directory: str, restore_prefix: str | None) -> bool:
+    """Whether ``restore_prefix`` names an existing file or directory (or TF checkpoint prefix)
+    that is not a tfsmp checkpoint: an error, unlike a checkpoint that does not exist (yet)."""
+    if restore_prefix is None:
+        return False
+    for path in (str(restore_prefix), os.path.join(directory, str(restore_prefix))):
+        if os.path.exists(path) or os.path.exists(path + ".index"):
+            return True
+    return False

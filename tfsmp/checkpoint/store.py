@@ -34,7 +34,7 @@ from tfsmp.checkpoint import format as fmt
 from tfsmp.checkpoint.layout import Layout, optimizer_state
 from tfsmp.errors import CheckpointError
 
-__all__ = ["last_read", "restore_state", "save_state"]
+__all__ = ["last_read", "restore_state", "restore_unpartitioned", "save_state"]
 
 _TOKEN = ".tfsmp-writers"
 _LAST_READ: list[str] = []  # keys this process read in its last restore (tests check partial reads)
@@ -296,6 +296,7 @@ def _finish(dm: Any, root: str, name: str, tmp: str, parts: list[Any], failed: l
         final = os.path.join(root, name)
         fmt.commit(tmp, final)
         fmt.write_latest(root, name)
+        fmt.write_smp_markers(root, name, dm._engine.num_ranks)  # [Note: SMP layout markers]
         fmt.prune(root, prefix, max_to_keep, keep=final)
     except Exception as e:  # reported on every rank, not only here
         shutil.rmtree(tmp, ignore_errors=True)
@@ -357,16 +358,17 @@ def _plan_reads(manifest: dict[str, Any], path: str, wanted: list[tuple[str, dic
 
 
 def _wanted(manifest: dict[str, Any], layout: Layout, slots: dict[tuple[str, str], Any],
-            globals_: dict[str, Any], extras: dict[str, Any]
-            ) -> list[tuple[str, dict[str, Any], str]]:
+            globals_: dict[str, Any], extras: dict[str, Any], skip: frozenset[int] = frozenset(),
+            rng: bool = True) -> list[tuple[str, dict[str, Any], str]]:
+    held = {k: v for k, v in layout.held_variables().items() if id(v) not in skip}
     wanted: list[tuple[str, dict[str, Any], str]] = [
-        ("variables", layout.held_variables(), "variable"),
+        ("variables", held, "variable"),
         ("optimizer", globals_, "optimizer variable"),
         ("extras", extras, "checkpointed object")]
     if slots and (manifest.get("optimizer_info") or {}).get("built", False):
         wanted.append(("slots", {f"{k}/{s}": v for (k, s), v in slots.items()}, "optimizer slot"))
     seed = _keras_seed_state()
-    if seed is not None and "keras" in (manifest.get("rng") or {}):
+    if rng and seed is not None and "keras" in (manifest.get("rng") or {}):
         wanted.append(("rng", {"keras": seed}, "random-generator state"))
     return wanted
 
@@ -381,11 +383,16 @@ def _unexpected(manifest: dict[str, Any], layout: Layout, path: str) -> list[str
 
 
 def restore_state(dm: Any, path: str, *, optimizer: Any = None,
-                  extras: dict[str, Any] | None = None) -> dict[str, Any]:
+                  extras: dict[str, Any] | None = None, skip: frozenset[int] = frozenset(),
+                  rng: bool = True) -> dict[str, Any]:
     """Restores checkpoint ``path`` into the partitioned model (a collective call).
 
     Each rank reads only the arrays of its own stages (and their slots). Every problem on any
     rank raises the same `CheckpointError` on every rank before a variable is assigned.
+
+    Args:
+        skip: ids of model variables not to assign (restored already, before partitioning).
+        rng: whether to restore the random-generator states too.
 
     Returns:
         The checkpoint's manifest (``position``, ``step``, ...).
@@ -404,14 +411,74 @@ def restore_state(dm: Any, path: str, *, optimizer: Any = None,
     if world.rank == 0:
         errors += _unexpected(manifest, layout, path)
     reads = _plan_reads(manifest, path, _wanted(manifest, layout, slots, globals_,
-                                                dict(extras or {})), errors)
+                                                dict(extras or {}), skip, rng), errors)
+    _assign_all(world, path, reads, errors)
+    state = manifest.get("rng_state")
+    if rng and isinstance(state, dict):
+        set_rng_state(state)
+    return manifest
+
+
+def _assign_all(world: Any, path: str, reads: list[tuple[str, Any, Any]], errors: list[str]
+                ) -> None:
+    """Reads every planned array, agrees with every rank that nothing failed, then assigns."""
     values = [(key, v, _try(errors, functools.partial(fmt.read_array, path, key, entry)))
               for key, entry, v in reads]
     _agree(world, errors)
     _LAST_READ[:] = [key for key, _, _ in values]
     for _, v, array in values:
         v.assign(array)
+
+
+def _trace_built(model: Any) -> Any:
+    """The traced model if it has allocated variables and traces without a sample, else None
+    (then everything waits for partitioning, where the first batch is the sample)."""
+    from tfsmp.graph.deferred import is_deferred
+    from tfsmp.graph.tracer import trace
+
+    if all(is_deferred(v) for v in model.weights):
+        return None
+    try:
+        return trace(model)
+    except Exception:  # e.g. a subclassed model built by a call: traced at partitioning
+        return None
+
+
+def restore_unpartitioned(dm: Any, path: str, *, extras: dict[str, Any] | None = None
+                          ) -> tuple[dict[str, Any], frozenset[int]]:
+    """Restores, before partitioning, what already exists: the model's allocated variables (a
+    built model's: all), ``extras`` and the random-generator states, so everything the user can
+    read shows the checkpoint at once. A collective call; errors as in `restore_state`.
+
+    Returns:
+        The manifest, and the ids of the model variables assigned (the optimizer's state and
+        variables not allocated yet are left for `restore_state` after partitioning).
+    """
+    from tfsmp.checkpoint.layout import variable_keys
+    from tfsmp.graph.deferred import is_deferred
+
+    world = (dm._state if dm._state is not None else dm._runtime_state()).comm.world
+    manifest = _read_manifest_everywhere(world, path)
+    errors: list[str] = []
+    model_vars: dict[str, Any] = {}
+    traced = _trace_built(dm._source_model())
+    if traced is not None:
+        keys = variable_keys(traced)
+        model_vars = {keys[id(v)]: v for v in traced.variables_of(set(traced.uses))
+                      if id(v) in keys and not is_deferred(v)}
+        extra = sorted(set(manifest["variables"]) - set(keys.values()))
+        if extra and world.rank == 0:
+            errors.append(
+                f"A checkpoint must hold only variables of the model. Received: {len(extra)} "
+                f"variables the model lacks, e.g. '{extra[0]}', in "
+                f"{os.path.join(path, fmt.MANIFEST)}. Fix: restore a checkpoint of this model.")
+    wanted: list[tuple[str, dict[str, Any], str]] = [
+        ("variables", model_vars, "variable"), ("extras", dict(extras or {}), "checkpointed object")]
+    seed = _keras_seed_state()
+    if seed is not None and "keras" in (manifest.get("rng") or {}):
+        wanted.append(("rng", {"keras": seed}, "random-generator state"))
+    _assign_all(world, path, _plan_reads(manifest, path, wanted, errors), errors)
     state = manifest.get("rng_state")
     if isinstance(state, dict):
         set_rng_state(state)
-    return manifest
+    return manifest, frozenset(id(v) for v in model_vars.values())

@@ -135,7 +135,11 @@ def _resume(ctx: object, pipeline: str) -> dict[str, object]:
     """A new job with 4 stages and 1 replica restores the p=2, d=2 checkpoint at step 0."""
     _init(partitions=4, pipeline=pipeline)
     x, y = mlp_data()
-    dm = _mlp_model(seed=99)  # other initial weights: the restore must replace them all
+    # Other initial weights: the restore must replace them all. Built in deferred_init, so no
+    # variable exists before partitioning and each rank reads only its own stages' (a built
+    # model's restore at step 0 reads every variable, so that get_weights shows it at once).
+    dm = tfsmp.DistributedModel(lambda: build_mlp(99))
+    dm.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     restored = _manager(dm, f"resume_{pipeline}").restore()
     for i in range(3, 6):
         dm.train_on_batch(*_batch(x, y, i))
