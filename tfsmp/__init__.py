@@ -38,6 +38,7 @@ _LAZY: dict[str, str] = {
         "pp_rank", "pp_size", "tp_rank", "tp_size", "rdp_rank", "rdp_size",
         "get_mp_group", "get_dp_group", "CommGroup", "RankType", "WORLD", "MP_GROUP", "DP_GROUP",
         "broadcast", "send", "recv_from", "allgather", "barrier", "dp_barrier", "mp_barrier",
+        "num_microbatches",
     )},
     "Config": "tfsmp.config",
     "Topology": "tfsmp.topology",
@@ -58,7 +59,7 @@ __all__ = [
 ]
 
 
-_SUBMODULES = ("core", "config", "topology", "estimator")
+_SUBMODULES = ("core", "config", "topology", "estimator", "utils")
 
 
 def __getattr__(name: str) -> Any:
@@ -67,6 +68,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'tfsmp' has no attribute '{name}'")
+    if module.startswith("tfsmp.keras"):  # SMP scripts' Keras 2 names (tfsmp/keras/porting.py)
+        importlib.import_module("tfsmp.keras.porting")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

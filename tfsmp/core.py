@@ -39,7 +39,8 @@ __all__ = [
     "DP_GROUP", "MP_GROUP", "WORLD", "CommGroup", "RankType", "State",
     "allgather", "barrier", "broadcast", "dp_barrier", "dp_rank", "dp_size",
     "get_dp_group", "get_mp_group", "init", "is_initialized", "local_rank", "local_size",
-    "mp_barrier", "mp_rank", "mp_size", "pp_rank", "pp_size", "rank", "rdp_rank", "rdp_size",
+    "mp_barrier", "mp_rank", "mp_size", "num_microbatches", "pp_rank", "pp_size", "rank",
+    "rdp_rank", "rdp_size",
     "recv_from", "send", "shutdown", "size", "state", "tp_rank", "tp_size",
 ]
 
@@ -266,6 +267,11 @@ def _api_caller() -> str:
 def rank() -> int:
     """This process's global rank."""
     return state().rank
+
+
+def num_microbatches() -> int:
+    """The number of microbatches each `smp.step` call splits its batch into."""
+    return state().config.microbatches
 
 
 def size() -> int:

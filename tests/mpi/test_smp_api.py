@@ -45,7 +45,10 @@ def test_smp_script_on_two_ranks_eager_graph_and_manual() -> None:
     results = _run(2, ["eager", "graph", "manual"], timeout=360)
     for variant in ("eager", "graph", "manual"):
         _check(results[variant], 2)
-    assert results["eager"][0]["losses"] == results["graph"][0]["losses"]
+    # The outer tf.function applies the update in a graph (Grappler may fuse its ops), so eager
+    # and graph agree to float32 round-off, not bit for bit (1 ulp apart at step 3 here).
+    np.testing.assert_allclose(results["eager"][0]["losses"], results["graph"][0]["losses"],
+                               rtol=1e-6)
     auto, manual = results["eager"][0]["plan"], results["manual"][0]["plan"]
     assert manual == {"conv": 0, "pool": 0, "flat": 1, "d1": 1, "d2": 1}  # the scopes' plan
     assert manual != auto

@@ -24,12 +24,23 @@ model.trainable_variables)``, since ``model.trainable_variables`` is the rank's 
 
 Called inside an outer ``tf.function`` (as SMP's examples do), the step becomes one
 ``tf.py_function`` running the pipeline eagerly; a symbolic dry run of the body gives its
-output structure and dtypes.
+output structure and dtypes. The dry run is traced into a function graph of its own that never
+executes, so what the body does after the model call (metric updates, counters) has no effect
+there: it runs only on the last stage, with real values. Metric variables it changes are then
+copied to every rank of the pipeline ([Note: metrics in a step] in `tfsmp.keras.step_metrics`).
+
+Gradients: ``tape.gradient`` of a tape opened in the body, or SMP's documented
+``optimizer.get_gradients(loss, model.trainable_variables)`` ([Note: porting names] in
+`tfsmp.keras.porting`), which differentiates a tape tfsmp keeps around the body. With several
+data-parallel replicas and ``horovod: False``, each microbatch's weight gradients are averaged
+over the stage's replicas before the step returns (the reduction `fit` does); with ``horovod:
+True`` the script reduces them itself (``hvd.allreduce(g.accumulate())``), as SMP required.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import threading
@@ -40,10 +51,15 @@ import numpy as np
 import tensorflow as tf
 
 from tfsmp.errors import StepError
+from tfsmp.keras import porting
+from tfsmp.keras.data import check_step_inputs
+from tfsmp.keras.step_metrics import MetricSync, code_names
 
-__all__ = ["StepOutput", "active_context", "step"]
+__all__ = ["StepOutput", "active_context", "step", "step_gradients"]
 
 _local = threading.local()
+_TAPE_GRADIENT = tf.GradientTape.gradient  # the original, while a step patches the class
+porting.install()
 
 
 class StepOutput:
@@ -116,6 +132,8 @@ class _Context:
         self.grad_lists: list[Any] = []
         self.stage_outputs: Any = None
         self.run_call: Callable[..., Any] | None = None
+        self.own_tape: tf.GradientTape | None = None  # get_gradients differentiates this one
+        self.metrics: MetricSync | None = None  # "run": records variable assignments
 
 
 def active_context() -> _Context | None:
@@ -123,10 +141,16 @@ def active_context() -> _Context | None:
 
 
 @contextlib.contextmanager
-def _activate(ctx: _Context) -> Iterator[_Context]:
+def _activate(ctx: _Context, own_tape: bool = False) -> Iterator[_Context]:
+    """Runs the body's ``model(...)``, tapes and variable assignments through ``ctx``; with
+    ``own_tape``, inside a persistent tape for ``optimizer.get_gradients``."""
+    import keras
+
     previous = active_context()
     _local.context = ctx
     enter, gradient = tf.GradientTape.__enter__, tf.GradientTape.gradient
+    variable_cls = next(c for c in keras.Variable.__mro__ if "assign" in vars(c))
+    assign = variable_cls.assign
 
     def patched_enter(tape: tf.GradientTape) -> tf.GradientTape:
         result = enter(tape)
@@ -140,14 +164,59 @@ def _activate(ctx: _Context) -> Iterator[_Context]:
         return _gradient(ctx, gradient, tape, target, sources, output_gradients,
                          unconnected_gradients)
 
+    def patched_assign(variable: Any, value: Any) -> Any:
+        if ctx.metrics is not None:
+            ctx.metrics.record(variable)
+        return assign(variable, value)
+
     tf.GradientTape.__enter__ = patched_enter
     tf.GradientTape.gradient = patched_gradient
+    if ctx.metrics is not None:
+        variable_cls.assign = patched_assign
     try:
-        yield ctx
+        with _own_tape(ctx) if own_tape else contextlib.nullcontext():
+            yield ctx
     finally:
         tf.GradientTape.__enter__ = enter
         tf.GradientTape.gradient = gradient
+        variable_cls.assign = assign
         _local.context = previous
+
+
+@contextlib.contextmanager
+def _own_tape(ctx: _Context) -> Iterator[None]:
+    tape = tf.GradientTape(persistent=True)
+    with tape:  # the patched __enter__ also watches the received tensors
+        ctx.own_tape = tape
+        try:
+            yield
+        finally:
+            ctx.own_tape = None
+
+
+def step_gradients(loss: Any, params: Any) -> Any:
+    """``optimizer.get_gradients(loss, params)`` inside a step: the gradient from the tape tfsmp
+    keeps around the body (see [Note: porting names] in `tfsmp.keras.porting`).
+
+    Raises:
+        StepError: outside a step, or when the body does not name ``get_gradients`` itself.
+    """
+    ctx = active_context()
+    if ctx is None or ctx.mode == "capture":
+        raise porting.outside_step_error()
+    if ctx.own_tape is None:
+        raise StepError(
+            "optimizer.get_gradients must be called in the smp.step function itself, so that "
+            "tfsmp records the forward pass for it. Received: a call from a helper the step "
+            "calls. Fix: call optimizer.get_gradients in the step function, or use "
+            "`with tf.GradientTape() as tape:` around the model call and tape.gradient.")
+    with ctx.own_tape.stop_recording():
+        return _gradient(ctx, _TAPE_GRADIENT, ctx.own_tape, loss, params, None, None)
+
+
+def _names_get_gradients(fn: Callable[..., Any]) -> bool:
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    return code is not None and "get_gradients" in set(code_names(code))
 
 
 def _gradient(ctx: _Context, gradient: Any, tape: tf.GradientTape, target: Any, sources: Any,
@@ -243,6 +312,7 @@ class _Step:
         self.axes = dict(input_split_axes or {})
         self.input_signature = tf_kwargs.get("input_signature")
         self._trains: bool | None = None  # does the body return gradients? (first call decides)
+        self._model_ids: set[int] | None = None
         params = inspect.signature(fn).parameters
         for name in self.non_split | set(self.axes):
             if name not in params:
@@ -266,28 +336,31 @@ class _Step:
         if not core.is_initialized():
             core.init()
         m = core.state().config.microbatches
+        check_step_inputs(args, kwargs)  # every stage got the same batch (tfsmp/keras/data.py)
         parts = _split_arguments(self.fn, args, kwargs, m, self.non_split, self.axes)
         captured = [self._capture(a, k) for a, k in parts]
         model = captured[0][1]
         inputs = [c for c, _ in captured]
         engine = model._ensure_engine(_model_input(*inputs[0]))
         if self._trains is None:  # same data on every rank, so every rank decides alike
-            dry = _Context(model, "dry")
-            with _activate(dry):
-                out0 = self.fn(*parts[0][0], **parts[0][1])
-            self._trains = _grad_list(dry, out0) is not None
+            self._trains = self._dry_run(parts[0][0], parts[0][1], model).trains
         results: dict[int, tuple[Any, list[Any] | None]] = {}
+        own_tape = _names_get_gradients(self.fn)
+        if self._model_ids is None:  # the rank's weights are fixed once the model is partitioned
+            self._model_ids = {id(v) for v in model.variables}
+        metrics = MetricSync(self.fn, self._model_ids)
 
         def head(i: int, prog: Any, stage_inputs: list[Any], recv: list[Any], mb: Any) -> Any:
             ctx = _Context(model, "run")
             ctx.watch = prog.diff_recv(recv)
+            ctx.metrics = metrics
 
             def run_call(*_: Any, training: Any = None, **__: Any) -> Any:
                 _, outputs = prog.evaluate(stage_inputs, recv, training=bool(training))
                 return engine.traced.pack_outputs(outputs)
 
             ctx.run_call = run_call
-            with _activate(ctx):
+            with _activate(ctx, own_tape=own_tape):
                 out = self.fn(*parts[i][0], **parts[i][1])
             _check_used(ctx, self.fn)
             if self._trains:
@@ -297,7 +370,27 @@ class _Step:
 
         engine.run_step([engine.traced.pack_inputs(_model_input(*c)) for c in inputs], head,
                         train=bool(self._trains))
-        return self._assemble(model, engine, results, m)
+        return self._assemble(engine, results, m, metrics)
+
+    def _dry_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], model: Any) -> _DryRun:
+        """Traces the body once with a shapes-only model call, into a function graph that is
+        never executed: its structure, dtypes and shapes, without its side effects."""
+        found: list[_DryRun] = []
+        own_tape = _names_get_gradients(self.fn)
+
+        def body() -> None:
+            dry = _Context(model, "dry")
+            with _activate(dry, own_tape=own_tape):
+                out = self.fn(*args, **kwargs)
+            _check_used(dry, self.fn)
+            grads = dry.grad_lists[-1] if dry.grad_lists else None
+            flat = [tf.convert_to_tensor(t) for t in _flat_without(out, grads)]
+            found.append(_DryRun(dry.model, _grad_list(dry, out) is not None,
+                                 _template(out, grads), [(t.dtype, t.shape) for t in flat],
+                                 grads is not None))
+
+        tf.function(body, autograph=False).get_concrete_function()
+        return found[-1]
 
     def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         """Runs the body up to its model call: ((call args, call kwargs), the model)."""
@@ -311,20 +404,24 @@ class _Step:
             f"A step must call the DistributedModel and return something that depends on its "
             f"output. Received: {self.fn.__name__} never called the model.")
 
-    def _assemble(self, model: Any, engine: Any, results: dict[int, tuple[Any, Any]], m: int
-                  ) -> Any:
-        """Every rank: the last stage's returned structure, with this rank's gradients."""
+    def _assemble(self, engine: Any, results: dict[int, tuple[Any, Any]], m: int,
+                  metrics: MetricSync) -> Any:
+        """Every rank: the last stage's returned structure and metric state, with this rank's
+        gradients (averaged over the data-parallel replicas unless Horovod does it)."""
         template = None
         if engine.is_last_rank:
             first, grads = results[0]
             template = _template(first, grads)
             flats = [[_to_numpy(v) for v in _flat_without(results[i][0], results[i][1])]
                      for i in range(m)]
-            payload: Any = (template, flats)
+            payload: Any = (template, flats, metrics.payload())
         else:
             payload = None
-        template, flats = engine.comm.pipeline.bcast_obj(payload, root=engine.last_rank)
+        template, flats, state = engine.comm.pipeline.bcast_obj(payload, root=engine.last_rank)
+        metrics.apply(state, engine.is_last_rank)
         own = _own_gradients(engine, results, m) if _has_grads(template) else [[]] * m
+        if _has_grads(template) and engine.dp_size > 1 and not engine.config.horovod:
+            own = _replica_mean(engine, own)
         per_mb = [_fill(template, [tf.convert_to_tensor(v) for v in flats[i]], own[i])
                   for i in range(m)]
         return _to_step_outputs(per_mb, m)
@@ -346,17 +443,13 @@ class _Step:
         m = core.state().config.microbatches
         flat_args = tf.nest.flatten((args, kwargs))
         tensor_pos = [i for i, a in enumerate(flat_args) if isinstance(a, (tf.Tensor, tf.Variable))]
-        dry = _Context(None, "dry")
-        with _activate(dry):
-            out = self.fn(*args, **kwargs)
-        _check_used(dry, self.fn)
-        model = dry.model
-        grads = dry.grad_lists[-1] if dry.grad_lists else None
-        template = _template(out, grads)
-        flat_out = _flat_without(out, grads)
-        n_grads = 0 if grads is None else len(model.trainable_variables)
-        tout = [t.dtype for t in flat_out] * m + [v.dtype for v in model.trainable_variables] * (
-            m if grads is not None else 0)
+        dry = self._dry_run(args, kwargs, None)
+        if self._trains is None:  # the eager call inside need not trace the body again
+            self._trains = dry.trains
+        model, template, specs = dry.model, dry.template, dry.specs
+        n_grads = len(model.trainable_variables) if dry.has_grads else 0
+        tout = [dtype for dtype, _ in specs] * m + [v.dtype for v in model.trainable_variables] * (
+            m if dry.has_grads else 0)
 
         def eager(*tensors: Any) -> list[Any]:
             values = list(flat_args)
@@ -372,9 +465,9 @@ class _Step:
             return flat
 
         values = tf.py_function(eager, [flat_args[i] for i in tensor_pos], tout)
-        n_out = len(flat_out)
+        n_out = len(specs)
         for i, v in enumerate(values[:n_out * m]):
-            v.set_shape(_mb_shape(flat_out[i % n_out].shape, m))
+            v.set_shape(_mb_shape(specs[i % n_out][1], m))
         per_mb_out = [values[i * n_out:(i + 1) * n_out] for i in range(m)]
         rest = values[n_out * m:]
         per_mb_grads = [[rest[i * n_grads + j] for j in range(n_grads)] for i in range(m)]
@@ -382,6 +475,17 @@ class _Step:
             for g, v in zip(per_mb_grads[i], model.trainable_variables):
                 g.set_shape(v.shape)
         return _to_step_outputs([_fill(template, per_mb_out[i], per_mb_grads[i]) for i in range(m)], m)
+
+
+@dataclasses.dataclass
+class _DryRun:
+    """What a dry run of a step body found."""
+
+    model: Any  # the DistributedModel the body calls
+    trains: bool  # the body returns its tape.gradient / get_gradients list
+    template: Any  # the returned structure (`_template`)
+    specs: list[tuple[Any, Any]]  # (dtype, shape) of each returned tensor but the gradients
+    has_grads: bool  # the body computed a gradient list
 
 
 def step(fn: Callable[..., Any] | None = None, *, non_split_inputs: list[str] | None = None,
@@ -541,3 +645,12 @@ def _own_gradients(engine: Any, results: dict[int, tuple[Any, Any]], m: int) -> 
                 grads.extend(prog.collected.get(i, [tf.zeros_like(v.value) for v in prog.trainable]))
         out.append(grads)
     return out
+
+
+def _replica_mean(engine: Any, grads: list[list[Any]]) -> list[list[Any]]:
+    """Each microbatch's weight gradients averaged over the stage's data-parallel replicas, in
+    one fused allreduce (``horovod: False``: [Note: how a step runs])."""
+    flat = [tf.convert_to_tensor(g) for per_mb in grads for g in per_mb]
+    reduced = engine.data_mean(flat)
+    n = len(grads[0]) if grads else 0
+    return [reduced[i * n:(i + 1) * n] for i in range(len(grads))]
