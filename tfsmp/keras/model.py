@@ -34,7 +34,17 @@ import numpy as np
 import tensorflow as tf
 
 from tfsmp.errors import StepError
-from tfsmp.keras.data import BatchSource, replica_share
+from tfsmp.keras.data import (
+    BatchSource,
+    batch_digest,
+    capped_steps,
+    check_same_batch,
+    class_sample_weights,
+    different_ranks,
+    replica_share,
+    same_batch_error,
+    split_validation,
+)
 from tfsmp.runtime import microbatch as mbatch
 
 __all__ = ["DistributedModel", "deferred_init", "register_post_partition_hook"]
@@ -123,12 +133,12 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             engine = self._ensure_engine(tf.nest.map_structure(
                 lambda t: keras.KerasTensor(tuple(t.shape), dtype=t.dtype.name), x))
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        outs = []
-        for key in engine.traced.output_keys:
-            info = engine.traced.graph.tensors[key]
-            shape = tf.concat([[rows], tf.constant([d or 1 for d in info.shape], tf.int32)], 0)
-            outs.append(tf.zeros(shape, dtype=info.dtype))
-        return engine.traced.pack_outputs(outs)
+        infos = [engine.traced.graph.tensors[k] for k in engine.traced.output_keys]
+        dims = [info.shape for info in infos]
+        if any(d is None for shape in dims for d in shape):  # known only from x's shapes
+            dims = [shape[1:] for shape in engine.output_shapes(x)]
+        return engine.traced.pack_outputs(
+            [_dry_zeros(rows, d, info.dtype) for d, info in zip(dims, infos)])
 
     # -- the rank's own variables after partitioning -------------------------------------------
 
@@ -218,6 +228,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         if importlib.util.find_spec("tfsmp.checkpoint.export") is not None:
             from tfsmp.checkpoint import export
 
+            export.remember_inputs(self, sample_x)  # save_model's signature takes these dtypes
             export.apply_pending(self)  # weights or a checkpoint restored before partitioning
         for hook in list(_POST_PARTITION_HOOKS):
             hook()
@@ -258,10 +269,12 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
                        class_weight: Any = None, return_dict: bool = False) -> Any:
         """One optimizer step on one global batch; returns that batch's loss (as Keras does)."""
         self._check_compiled()
+        if class_weight is not None:
+            sample_weight = class_sample_weights(y, sample_weight, class_weight)
         engine = self._ensure_engine(x)
         self._reset_metrics()
         logs = self._train_batch(engine, x, y, sample_weight)
-        return logs if return_dict else logs["loss"]
+        return logs if return_dict else self._flatten_metrics_in_order(logs)  # as Keras orders
 
     def _train_batch(self, engine: Any, x: Any, y: Any, sw: Any) -> dict[str, float]:
         st = self._state
@@ -306,37 +319,60 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             else:
                 self._metrics_fn(yi, y_pred, wi)
 
-    def _metric_results(self, engine: Any) -> dict[str, float]:
+    def _logged_metrics(self) -> list[Any]:
+        """What Keras logs besides "loss": the compiled metrics, then each output's loss (Keras
+        keeps a Mean of each output's unweighted loss when there are several)."""
+        out = []
         metrics = getattr(self, "_compile_metrics", None)
-        if metrics is None or not metrics.built:
-            return {}
+        if metrics is not None and metrics.built:
+            out.append(metrics)
+        compile_loss = getattr(self, "_compile_loss", None)
+        if compile_loss is not None:
+            out.extend(compile_loss.metrics)
+        return out
+
+    def _metric_results(self, engine: Any) -> dict[str, float]:
+        metrics = self._logged_metrics()
+        variables = [v for m in metrics for v in m.variables]
         saved = None
         if engine.dp_size > 1:  # sum metric states over replicas, read, then restore local ones
-            saved = [v.numpy() for v in metrics.variables]
-            for v in metrics.variables:
+            saved = [v.numpy() for v in variables]
+            for v in variables:
                 buf = np.array(v.numpy(), dtype=np.float64)
                 engine.comm.data.allreduce_(buf)
                 v.assign(buf.astype(v.dtype))
-        out = {k: float(np.asarray(v)) for k, v in metrics.result().items()}
+        out: dict[str, float] = {}
+        for m in metrics:
+            result = m.result()
+            if isinstance(result, dict):
+                out.update({k: float(np.asarray(v)) for k, v in result.items()})
+            else:
+                out[m.name] = float(np.asarray(result))
         if saved is not None:
-            for v, s in zip(metrics.variables, saved):
+            for v, s in zip(variables, saved):
                 v.assign(s)
         return out
 
     def _reset_metrics(self) -> None:
         self._loss_sum, self._loss_count = 0.0, 0
-        metrics = getattr(self, "_compile_metrics", None)
-        if metrics is not None and metrics.built:
-            metrics.reset_state()
+        for m in self._logged_metrics():
+            m.reset_state()
 
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
-            verbose: Any = "auto", callbacks: list[Any] | None = None, validation_data: Any = None,
-            shuffle: bool = True, sample_weight: Any = None, initial_epoch: int = 0,
-            steps_per_epoch: int | None = None, validation_batch_size: int | None = None,
+            verbose: Any = "auto", callbacks: list[Any] | None = None,
+            validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
+            class_weight: dict[int, float] | None = None, sample_weight: Any = None,
+            initial_epoch: int = 0, steps_per_epoch: int | None = None,
+            validation_steps: int | None = None, validation_batch_size: int | None = None,
             validation_freq: int = 1, **kwargs: Any) -> keras.callbacks.History:
         """Keras `fit`, pipelined. ``batch_size`` is the global batch (split over replicas)."""
-        _reject(kwargs, ("validation_split", "class_weight"), "fit")
+        _reject(kwargs, (), "fit")
         self._check_compiled()
+        epochs = min(epochs, keras.config.max_epochs() or epochs)  # Keras's debugging caps
+        steps_per_epoch, validation_steps = map(capped_steps, (steps_per_epoch, validation_steps))
+        if validation_split and validation_data is None:  # the arrays' tail, before shuffling
+            (x, y, sample_weight), validation_data = split_validation(
+                x, y, sample_weight, validation_split)
         self._state = self._runtime_state()
         topo = self._state.topology
         divisor = topo.dp_size * self._state.config.microbatches
@@ -344,7 +380,8 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         seed = self._agree(entropy % (2**31) if self._state.config.seed is None
                            else self._state.config.seed)
         source = BatchSource(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-                             seed=seed, steps_per_epoch=steps_per_epoch, divisor=divisor)
+                             seed=seed, steps_per_epoch=steps_per_epoch, divisor=divisor,
+                             class_weight=class_weight)
         verbose = 1 if verbose == "auto" else verbose
         cb = keras.callbacks.CallbackList(
             callbacks, add_history=True, add_progbar=bool(verbose) and self._state.rank == 0,
@@ -373,7 +410,8 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             if validation_data is not None and (epoch + 1) % validation_freq == 0:
                 vx, vy, vw = _unpack(validation_data)
                 val = self.evaluate(vx, vy, sample_weight=vw, verbose=0, return_dict=True,
-                                    batch_size=validation_batch_size or batch_size)
+                                    batch_size=validation_batch_size or batch_size,
+                                    steps=validation_steps)
                 epoch_logs.update({f"val_{k}": v for k, v in val.items()})
             cb.on_epoch_end(epoch, epoch_logs)
             if self.stop_training:
@@ -398,16 +436,28 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         """``source``'s batches while every rank has one. [Note: replicas run out together]
         A dataset or generator is iterated on every rank; if one rank runs out first, its
         peers would wait for it in the next step forever. Each step all ranks first agree
-        (one small allgather) that all have a batch, before any message of the step."""
+        (one small allgather) that all have a batch, before any message of the step; the same
+        message carries the batch's digest. [Note: same batch on every rank]"""
         batches = source.epoch(epoch)
+        world = self._state.comm.world
         if source.arrays:  # tfsmp batches arrays itself: the same count on every rank
-            yield from batches
+            for step, rows in enumerate(batches):
+                if step == 0:  # the sample count and the first batch of the epoch
+                    check_same_batch(world, (source.num_samples, rows), rank_tag=self._rank_tag(),
+                                     where=f"in the first batch of epoch {epoch}")
+                yield rows
             return
         topo = self._state.topology
         for step in itertools.count():
             batch = next(batches, None)
-            have = self._state.comm.world.allgather_obj(batch is not None)
+            got = world.allgather_obj((batch is not None,
+                                       None if batch is None else batch_digest(batch)))
+            have = [h for h, _ in got]
             if all(have):
+                digests = [d for _, d in got]
+                if different_ranks(digests, list(world.ranks)):
+                    raise same_batch_error(self._rank_tag(), digests, list(world.ranks),
+                                           f"at step {step} of epoch {epoch}")
                 yield batch  # type: ignore[misc]
                 continue
             if any(have):
@@ -466,7 +516,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._reset_metrics()
         loss_sum, count = 0.0, 0
         metrics = getattr(self, "_compile_metrics", None)
-        for xb, yb, wb in source.epoch(0):
+        for xb, yb, wb in self._agreed(source, 0):
             flat = self._forward_batch(xb)
             engine = self._engine
             y_pred = engine.traced.pack_outputs([tf.convert_to_tensor(v) for v in flat])
@@ -478,12 +528,15 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             if metrics is not None:
                 metrics.update_state(yt, y_pred, wt)
         logs = {"loss": loss_sum / max(count, 1)}
-        if metrics is not None and metrics.built:
-            logs.update({k: float(np.asarray(v)) for k, v in metrics.result().items()})
+        for m in self._logged_metrics():  # the compiled metrics, then each output's loss
+            result = m.result()
+            if isinstance(result, dict):
+                logs.update({k: float(np.asarray(v)) for k, v in result.items()})
+            else:
+                logs[m.name] = float(np.asarray(result))
         if return_dict:
             return logs
-        values = list(logs.values())
-        return values[0] if len(values) == 1 else values
+        return self._flatten_metrics_in_order(logs)  # Keras's order: loss, output losses, ...
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -529,8 +582,8 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             variables[i].assign(weights[i])
 
     def save(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
-        """Writes the whole model as a plain Keras file (``.keras``) or weights (``.weights.h5``).
-        Call on every rank; rank 0 writes."""
+        """Writes the whole model as a plain Keras file (``.keras``, or legacy ``.h5``) or its
+        weights (``.weights.h5``). Call on every rank; rank 0 writes."""
         from tfsmp.checkpoint import export
 
         export.save(self, filepath, overwrite=overwrite, **kwargs)
@@ -577,12 +630,18 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         return None
 
 
+def _dry_zeros(rows: Any, dims: tuple[int | None, ...], dtype: str) -> tf.Tensor:
+    """Zeros shaped like a step's model output: exact where ``dims`` are known (always when
+    eager), and of statically unknown size where a traced input's shape leaves them unknown."""
+    known = tf.constant([1 if d is None else int(d) for d in dims], tf.int32)
+    zeros = tf.zeros(tf.concat([[rows], known], 0), dtype=dtype)
+    if any(d is None for d in dims):
+        zeros = tf.compat.v1.placeholder_with_default(zeros, shape=[None, *dims])
+    return zeros
+
+
 def _reject(kwargs: dict[str, Any], names: tuple[str, ...], method: str) -> None:
-    for name in names:
-        if kwargs.get(name):
-            raise StepError(
-                f"DistributedModel.{method} does not support {name} yet. Received: "
-                f"{name}={kwargs[name]!r}. Pass validation_data= / sample_weight= instead.")
+    """Keras's TypeError for unknown keywords (``names``: accepted and ignored ones)."""
     unknown = set(kwargs) - set(names)
     if unknown:
         raise TypeError(f"{method}() got unexpected keyword arguments: {sorted(unknown)}")

@@ -28,6 +28,7 @@ from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.runtime import microbatch as mbatch
 from tfsmp.runtime import watchdog as wd
+from tfsmp.runtime.dynamic_shapes import BoundaryShapes, ShapeResolver, is_dynamic
 from tfsmp.runtime.executor import (
     Executor,
     MicroBatch,
@@ -38,6 +39,7 @@ from tfsmp.runtime.executor import (
     host_view,
 )
 from tfsmp.runtime.stage import StageProgram
+from tfsmp.runtime.ties import TiedCopies
 from tfsmp.schedule.actions import Action, Op
 
 __all__ = ["Engine", "forward_only_schedule"]
@@ -83,17 +85,24 @@ class Engine:
         self.pipe_rank = comm.pipeline.rank
         self.dp_size = comm.data.size
         self.m = config.microbatches
+        # [Note: dynamic boundaries] in tfsmp/runtime/dynamic_shapes.py; None: all static
+        self.boundary_shapes = BoundaryShapes.for_plan(traced, plan)
         self.stages = [s for s in range(plan.num_stages) if s % self.num_ranks == self.pipe_rank]
         self.programs = {
             s: StageProgram(traced, plan, s, optimize=config.optimize, loss=loss,
-                            jit_compile=bool(config.xla))
+                            jit_compile=bool(config.xla), relax_shapes=self._dynamic_inputs())
             for s in self.stages}
         self.last_rank = (plan.num_stages - 1) % self.num_ranks
         self.is_last_rank = self.pipe_rank == self.last_rank
         self.optimizer = optimizer
         self.loss_reduction = loss_reduction
-        self.variables = [v for s in self.stages for v in self.programs[s].trainable]
-        self.accumulators = [a for s in self.stages for a in self.programs[s].accumulators]
+        # [Note: tied reduction] in tfsmp/runtime/ties.py: a variable on two local stages is
+        # updated once, from its first stage's accumulator, which holds the summed gradient
+        self.ties = TiedCopies.of(traced, plan, self.programs, comm.pipeline, self.num_ranks,
+                                  tag_ub=comm.tag_ub, watch=_watched)
+        self._unique = self.ties.unique()
+        self.variables = [v for v, _, _ in self._unique]
+        self.accumulators = [self.programs[s].accumulators[i] for _, s, i in self._unique]
         self._train_actions = schedule[self.pipe_rank]
         self._tracer = tracer
         self._apply_fn: Any = None
@@ -104,6 +113,7 @@ class Engine:
         self._reducers: dict[tuple[Any, ...], _FusedReducer] = {}
         self.steps = 0
         self.skipped_steps = 0
+        self._outputs: ShapeResolver | None = None
         # mixed_float16 wraps the optimizer in a LossScaleOptimizer (it has `inner_optimizer`;
         # `dynamic_scale` appears only once built, so test the wrapper, then build on every rank).
         self._loss_scaled = optimizer is not None and hasattr(optimizer, "inner_optimizer")
@@ -112,8 +122,26 @@ class Engine:
         if self._loss_scaled:  # mixed_float16: the last stage multiplies its loss by the scale
             for prog in self.programs.values():
                 prog.loss_scaler = optimizer.scale_loss
+        self.broadcast_from_first_replica()
+        self.ties.sync()  # copies of tied variables start identical
 
     # -- data ----------------------------------------------------------------------------------
+
+    def _dynamic_inputs(self) -> bool:
+        """Whether some input or boundary has a dimension known only at run time: then stage
+        programs trace with relaxed shapes, as Keras's own train function does."""
+        return self.boundary_shapes is not None or any(
+            is_dynamic(self.traced.graph.tensors[k].shape) for k in self.traced.input_keys)
+
+    def output_shapes(self, x: Any) -> list[tuple[int | None, ...]]:
+        """The shapes of the model's outputs (batch axis first) for inputs shaped like ``x``
+        (tensors, possibly symbolic with unknown dimensions), without running the model."""
+        flat = self.traced._flatten_inputs(x)
+        shapes = {k: tuple(v.shape) for k, v in zip(self.traced.input_keys, flat)}
+        if self._outputs is None:
+            self._outputs = ShapeResolver(self.traced, self.traced.output_keys)
+        found = self._outputs.shapes(shapes)
+        return [found[k] for k in self.traced.output_keys]
 
     def check_batch_sizes(self, x: Any, y: Any, sample_weight: Any) -> None:
         """Targets and sample weights have one row per input row (else only the last stage's
@@ -164,7 +192,7 @@ class Engine:
         if ex is None:
             ex = self._executors[(id(actions), m)] = Executor(
                 actions, self.programs, self.plan, self.comm.pipeline, self.num_ranks, m,
-                rank_tag=self.rank_tag)
+                rank_tag=self.rank_tag, shapes=self.boundary_shapes)
         # read each step, as a new executor did: the limit and the tracer may change between steps
         ex.stall_timeout, ex.tracer = self.config.stall_timeout, self._tracer
         return ex
@@ -174,6 +202,8 @@ class Engine:
         """One `smp.step` call: ``inputs[i]`` are microbatch i's model inputs (by tensor key).
         The last stage runs ``head``; other stages keep per-microbatch weight gradients in
         ``program.collected`` (no reduction, no optimizer step: the script applies them)."""
+        if train:
+            self.ties.check_collect(self.rank_tag)
         mbs = []
         for packed in inputs:
             tensors = {k: tf.convert_to_tensor(v) for k, v in packed.items()}
@@ -253,6 +283,43 @@ class Engine:
             self.comm.data.allreduce_(flat)
         reducer.scatter(flat, scale)
 
+    def broadcast_from_first_replica(self) -> None:
+        """Gives every replica of each stage data rank 0's floating variables, so that replicas
+        start alike even when no ``seed`` fixed the initializers (each process draws its own)."""
+        if self.dp_size == 1:
+            return
+        stage_vars = [v for s in self.stages for v in (*self.programs[s].trainable,
+                                                        *self.programs[s].non_trainable)]
+        floats = [v for v in stage_vars if np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype).kind == "f"]
+        if not floats:
+            return
+        reducer = _FusedReducer(floats, wide=True)
+        flat = reducer.gather()
+        if self.comm.data.rank != 0:
+            flat[:] = 0.0  # a sum with zeros from the others is data rank 0's values, exactly
+        with _watched("the broadcast of the first replica's initial weights"):
+            self.comm.data.allreduce_(flat)
+        reducer.scatter(flat, 1.0)
+
+    def data_mean(self, tensors: list[Any]) -> list[tf.Tensor]:
+        """The mean of each tensor over this stage's data-parallel replicas (one fused MPI
+        allreduce; every replica calls it with tensors of the same shapes and dtypes)."""
+        if self.dp_size == 1 or not tensors:
+            return [tf.convert_to_tensor(t) for t in tensors]
+        values = [np.asarray(tf.convert_to_tensor(t)) for t in tensors]
+        dtype = np.result_type(*values)
+        dtype = dtype if dtype.kind == "f" else np.dtype(np.float32)
+        flat = np.concatenate([v.astype(dtype).ravel() for v in values])
+        with _watched("the data-parallel mean of a step's gradients"):
+            self.comm.data.allreduce_(flat)
+        flat /= self.dp_size
+        out, start = [], 0
+        for v in values:
+            part = flat[start:start + v.size].reshape(v.shape)
+            out.append(tf.convert_to_tensor(part.astype(v.dtype)))
+            start += v.size
+        return out
+
     def _sync_statistics(self, stage: int) -> None:
         """Averages the stage's floating non-trainable variables (BatchNormalization moving
         statistics) over its replicas, so every replica keeps the same copy (each updated them
@@ -321,16 +388,14 @@ class Engine:
             if self._loss_scaled:
                 self.optimizer._stateful_handle_non_finite_grads()
             return
+        self.ties.reduce()  # sum tied copies' gradients over their stages, before the step
         if not self.variables:
             return
-        sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
-        offset = 0
+        parts = {s: self.programs[s].sparse_gradients() for s in self.stages}
+        sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {
+            str(j): parts[s][i] for j, (_, s, i) in enumerate(self._unique) if i in parts[s]}
         for s in self.stages:
-            prog = self.programs[s]
-            for i, part in prog.sparse_gradients().items():
-                sparse[str(offset + i)] = part
-            prog.sparse_parts.clear()
-            offset += len(prog.trainable)
+            self.programs[s].sparse_parts.clear()
         if self._apply_fn is None:
             variables, accs = self.variables, self.accumulators
             optimizer = self.optimizer
