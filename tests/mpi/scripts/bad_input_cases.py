@@ -21,6 +21,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+from caseutil import reinit
 
 import tfsmp
 from tfsmp.errors import TfsmpError
@@ -30,11 +31,7 @@ Outcome = dict[str, Any]
 
 
 def _init(**config: object) -> None:
-    if tfsmp.is_initialized():
-        tfsmp.shutdown()
-    base: dict[str, object] = {"partitions": 2, "microbatches": 4}
-    base.update(config)
-    tfsmp.init(base)
+    reinit({"partitions": 2, "microbatches": 4}, **config)
 
 
 def _model(width: int = 16, extra: bool = False, name: str = "net") -> keras.Model:

@@ -15,6 +15,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+from caseutil import reinit
 
 import tfsmp
 
@@ -22,11 +23,7 @@ VOCAB, WIDTH = 40, 16
 
 
 def _init(**config: object) -> None:
-    if tfsmp.is_initialized():
-        tfsmp.shutdown()
-    base: dict[str, object] = {"partitions": 2, "microbatches": 2}
-    base.update(config)
-    tfsmp.init(base)
+    reinit({"partitions": 2, "microbatches": 2}, **config)
 
 
 # -- models -------------------------------------------------------------------------------------

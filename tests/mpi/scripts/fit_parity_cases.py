@@ -17,6 +17,7 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
+from caseutil import reinit
 
 import tfsmp
 from tfsmp.errors import StepError
@@ -26,11 +27,7 @@ L = keras.layers
 
 
 def _init(**config: object) -> None:
-    if tfsmp.is_initialized():
-        tfsmp.shutdown()
-    base: dict[str, object] = {"partitions": 2, "microbatches": 2}
-    base.update(config)
-    tfsmp.init(base)
+    reinit({"partitions": 2, "microbatches": 2}, **config)
 
 
 def _close(a: object, b: object) -> bool:

@@ -13,6 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+from caseutil import reinit
 
 import tfsmp
 from tfsmp.errors import StepError
@@ -21,11 +22,7 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def _init(**config: object) -> None:
-    if tfsmp.is_initialized():
-        tfsmp.shutdown()
-    base: dict[str, object] = {"partitions": 2, "microbatches": 2}
-    base.update(config)
-    tfsmp.init(base)
+    reinit({"partitions": 2, "microbatches": 2}, **config)
 
 
 def _model(seed: int = 3) -> keras.Model:
