@@ -200,13 +200,13 @@ exec "{mpirun}" "$@"
 
 def test_a_launcher_that_dies_before_any_rank_is_launched_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tfsmp.estimator as estimator_module
+    from tfsmp.estimator import plan as job_plan
     from tfsmp.launch.mpirun import find_mpirun
 
     launcher = tmp_path / "mpirun"
     launcher.write_text(FLAKY_LAUNCHER.format(marker=tmp_path / "failed_once", mpirun=find_mpirun()))
     launcher.chmod(0o755)
-    monkeypatch.setattr(estimator_module, "find_mpirun", lambda *a, **k: str(launcher))
+    monkeypatch.setattr(job_plan, "find_mpirun", lambda *a, **k: str(launcher))
     est = _estimator(tmp_path, {"mpi": {"enabled": True, "processes_per_host": 2}})
     est.fit(str(tmp_path / "data"), logs=False, job_name="flaky")
     log = est.logs()

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-import tfsmp.estimator as est_mod
-from tfsmp.estimator import TensorFlow
+from tfsmp.estimator import TensorFlow, estimators
+from tfsmp.estimator import plan as job_plan
 from tfsmp.launch import sagemaker as sm
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "mpirun"
@@ -44,8 +44,8 @@ CASES: dict[str, tuple[str, int, int, str]] = {
 def pinned(monkeypatch: pytest.MonkeyPatch) -> None:
     """This machine's facts, fixed so the command is the same everywhere."""
     monkeypatch.setattr(sys, "executable", "/usr/bin/python3")
-    monkeypatch.setattr(est_mod, "find_mpirun", lambda: "mpirun")
-    monkeypatch.setattr(est_mod, "_local_gpus", lambda: 0)
+    monkeypatch.setattr(job_plan, "find_mpirun", lambda: "mpirun")
+    monkeypatch.setattr(estimators, "_local_gpus", lambda: 0)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from tfsmp import estimator
 from tfsmp.errors import ConfigError
 from tfsmp.estimator import LOCAL_ROLE, TensorFlow
+from tfsmp.estimator import plan as job_plan
 from tfsmp.launch import sagemaker as sm
 
 HOSTS = ["algo-1", "algo-2"]
@@ -59,8 +59,8 @@ def test_ssh_from_another_host_and_unknown_settings_are_errors() -> None:
 def on_algo_1(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(sm.HOSTS_SETTING, raising=False)
     monkeypatch.setenv("SM_NETWORK_INTERFACE_NAME", "eth7")
-    monkeypatch.setattr(estimator.socket, "gethostname", lambda: "algo-1")
-    monkeypatch.setattr(estimator, "_resolve", _resolve)
+    monkeypatch.setattr(job_plan.socket, "gethostname", lambda: "algo-1")
+    monkeypatch.setattr(job_plan, "_resolve", _resolve)
 
 
 def _tf(tmp_path: Path, **kwargs: Any) -> TensorFlow:
