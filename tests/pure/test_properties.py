@@ -19,6 +19,7 @@ from tfsmp.schedule import (
     PIPELINES,
     Action,
     Op,
+    Placement,
     Schedule,
     StageLinks,
     format_schedule,
@@ -29,7 +30,7 @@ from tfsmp.schedule import (
     simulate,
     validate,
 )
-from tfsmp.schedule.actions import message_key, rank_of_stage
+from tfsmp.schedule.actions import message_key
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -49,12 +50,16 @@ class Case:
     def num_stages(self) -> int:
         return self.p * self.v
 
+    @property
+    def placement(self) -> Placement:
+        return Placement.for_pipeline(self.pipeline, self.p, self.v)
+
 
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     pipeline = draw(st.sampled_from(PIPELINES))
     p = draw(st.integers(1, 6))
-    v = draw(st.integers(1, 3))
+    v = {"zb-h1": 1, "zb-v": 2}.get(pipeline) or draw(st.integers(1, 3))
     m = draw(st.integers(1, 12))
     cap = draw(st.none() | st.integers(1, m))
     n = p * v
@@ -69,7 +74,7 @@ def cases(draw: st.DrawFn) -> Case:
 def _lowered(case: Case) -> tuple[Schedule, Schedule]:
     compute = generate(case.pipeline, case.p, case.m, case.v, active_microbatches=case.cap)
     return compute, lower(compute, case.links, case.p, data_parallel=case.data_parallel,
-                          reduce_buckets=case.buckets)
+                          reduce_buckets=case.buckets, placement=case.placement)
 
 
 @SETTINGS
@@ -78,7 +83,7 @@ def test_generated_compute_is_complete_ordered_and_capped(case: Case) -> None:
     compute, _ = _lowered(case)
     assert sorted(compute) == list(range(case.p))
     for rank, actions in compute.items():
-        stages = [s for s in range(case.num_stages) if rank_of_stage(s, case.p) == rank]
+        stages = case.placement.stages(rank)
         expected = {(s, i) for s in stages for i in range(case.m)}
         forwards = [(a.stage, a.microbatch) for a in actions if a.op is Op.FORWARD]
         backwards = [(a.stage, a.microbatch) for a in actions if a.op is Op.BACKWARD]
@@ -97,8 +102,8 @@ def test_generated_compute_is_complete_ordered_and_capped(case: Case) -> None:
 @given(cases())
 def test_lowered_schedule_validates_over_any_stage_graph_and_round_trips(case: Case) -> None:
     compute, lowered = _lowered(case)
-    validate(compute, links=case.links)
-    validate(lowered, links=case.links)
+    validate(compute, links=case.links, placement=case.placement)
+    validate(lowered, links=case.links, placement=case.placement)
     assert parse_schedule(format_schedule(lowered)) == lowered
     for rank, actions in lowered.items():
         assert actions[-1] == Action(rank, Op.STEP)
@@ -117,7 +122,8 @@ def test_simulator_finishes_and_respects_every_dependency(case: Case, data: st.D
     fwd, bwd, red = data.draw(times), data.draw(times), data.draw(times)
     comm = data.draw(st.floats(0.0, 2.0))
     result = simulate(lowered, forward_time=fwd, backward_time=bwd, comm_time=comm,
-                      reduce_time=red, step_time=0.5, links=case.links, num_ranks=case.p)
+                      reduce_time=red, step_time=0.5, links=case.links, num_ranks=case.p,
+                      placement=case.placement)
     entries = {(e.rank, str(e.action)): e for e in result.timeline}
     assert len(result.timeline) == sum(len(a) for a in lowered.values()) == len(entries)
     assert 0.0 <= result.bubble_fraction < 1.0
@@ -128,15 +134,15 @@ def test_simulator_finishes_and_respects_every_dependency(case: Case, data: st.D
         a = e.action
         if a.op in (Op.RECV_F, Op.RECV_B):  # a receive ends when its message has arrived
             send = sends[message_key(a)]
-            cross = rank_of_stage(send.action.stage, case.p) != e.rank
+            cross = case.placement.rank(send.action.stage) != e.rank
             assert e.end >= send.start + (comm if cross else 0.0) - 1e-9, str(a)
         if a.op is Op.FORWARD:  # after the forwards of every producer of this microbatch
             for q in case.links.peers_backward(a.stage):
-                producer = entries[(rank_of_stage(q, case.p), f"{q}F{a.microbatch}")]
+                producer = entries[(case.placement.rank(q), f"{q}F{a.microbatch}")]
                 assert e.start >= producer.end - 1e-9, (str(a), q)
         if a.op is Op.BACKWARD:  # after the backwards of every consumer
             for c in case.links.peers_forward(a.stage):
-                consumer = entries[(rank_of_stage(c, case.p), f"{c}B{a.microbatch}")]
+                consumer = entries[(case.placement.rank(c), f"{c}B{a.microbatch}")]
                 assert e.start >= consumer.end - 1e-9, (str(a), c)
     serial = sum(fwd) * case.m + sum(bwd) * case.m + sum(red) + 0.5 * case.p
     assert result.makespan <= serial + comm * len(sends) + 1e-6  # never idles without a cause

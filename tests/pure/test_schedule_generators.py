@@ -87,7 +87,7 @@ def test_m_not_a_multiple_of_p_with_virtual_stages_stays_valid() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"pipeline": "gpipe"}, r"pipeline must be one of \['simple', 'interleaved'\]\. Received: pipeline='gpipe'"),
+    ({"pipeline": "gpipe"}, r"pipeline must be one of \['simple', 'interleaved', 'zb-h1', 'zb-v'\]\. Received: pipeline='gpipe'"),
     ({"num_ranks": 0}, r"num_ranks must be a positive integer\. Received: num_ranks=0"),
     ({"num_microbatches": -1}, "num_microbatches must be a positive integer"),
     ({"virtual_stages": 0}, "virtual_stages must be a positive integer"),

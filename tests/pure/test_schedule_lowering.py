@@ -88,7 +88,7 @@ def test_bucketed_reductions_share_the_stages_reduce_time() -> None:
 
 def test_lowering_rejects_lowered_input_wrong_ranks_and_mismatched_plans() -> None:
     lowered = lower(generate("simple", 2, 1), None, 2)
-    with pytest.raises(ScheduleError, match=r"lower\(\) takes compute actions \(F/B\) only"):
+    with pytest.raises(ScheduleError, match=r"lower\(\) takes compute actions \(F/B/W\) only"):
         lower(lowered, None, 2)
     with pytest.raises(ScheduleError, match=r"Stage s runs on rank s % 2\. Received: 1F0 at rank 0"):
         lower(parse_schedule("0: 1F0 1B0\n1: 0F0 0B0"), None, 2)

@@ -8,6 +8,10 @@ Example::
     validate(lowered)
     simulate(compute).bubble_fraction                  # 3/11
 
+    where = Placement.for_pipeline("zb-v", 4, virtual_stages=2)   # stage -> rank, one owner
+    zb = generate("zb-v", 4, 8, virtual_stages=2)                 # F, B and W actions
+    simulate(zb, forward_time=0.5, backward_time=1.0, weight_time=0.5, placement=where)
+
 Pure: imports neither TensorFlow nor mpi4py (matplotlib only inside `render_timeline`).
 See docs/schedules.md.
 """
@@ -22,10 +26,12 @@ from tfsmp.schedule.actions import (
     rank_of_stage,
     stages_of_rank,
     tag_upper_bound,
+    weight_stages,
 )
 from tfsmp.schedule.generators import PIPELINES, fuse_last_stage, generate
 from tfsmp.schedule.links import Links, StageLinks
 from tfsmp.schedule.lowering import lower
+from tfsmp.schedule.placement import Placement
 from tfsmp.schedule.render import render_ascii, render_staircase, render_timeline
 from tfsmp.schedule.simulate import SimResult, TimelineEntry, simulate
 from tfsmp.schedule.validate import peak_activations, peak_in_flight, validate
@@ -35,6 +41,7 @@ __all__ = [
     "Action",
     "Links",
     "Op",
+    "Placement",
     "Schedule",
     "SimResult",
     "StageLinks",
@@ -55,4 +62,5 @@ __all__ = [
     "stages_of_rank",
     "tag_upper_bound",
     "validate",
+    "weight_stages",
 ]

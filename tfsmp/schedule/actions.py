@@ -5,18 +5,26 @@ Example::
     a = Action(1, Op.FORWARD, 3)
     str(a)                                  # "1F3": stage 1, forward, microbatch 3
     Action.parse("2RECV_F3<1")              # stage 2 receives microbatch 3's activations from 1
+    Action.parse("1W3")                     # stage 1 computes microbatch 3's weight gradients
     schedule = {0: [Action.parse("0F0"), Action.parse("0B0")]}
     parse_schedule(format_schedule(schedule)) == schedule
 
-A `Schedule` maps each pipeline rank to its actions in the order it runs them. Stage ``s`` lives
-on rank ``s % p`` (Megatron's placement: rank ``r`` holds the virtual stages ``c·p + r``).
+A `Schedule` maps each pipeline rank to its actions in the order it runs them. Which rank runs
+a stage is a `tfsmp.schedule.placement.Placement` (default: stage ``s`` on rank ``s % p``,
+Megatron's placement, which `rank_of_stage` and `stages_of_rank` keep for old callers).
 
-[Note: action text] ``{stage}{op}{microbatch}`` for compute (``1F3``, ``1B3``);
+[Note: action text] ``{stage}{op}{microbatch}`` for compute (``1F3``, ``1B3``, ``1W3``);
 ``{stage}SEND_F{mb}>{peer}``, ``{stage}RECV_F{mb}<{peer}`` and the ``_B`` pair for gradients, where
 ``peer`` is the other *stage*; ``{stage}REDUCE`` (or ``{stage}REDUCE{k}``: gradient bucket ``k``,
 see [Note: reduce buckets] in `tfsmp.schedule.lowering`); ``{stage}STEP``. One send/receive
 action carries every boundary tensor between its two stages; the runtime sends one buffer per
 boundary, tagged with `message_tag`.
+
+[Note: weight actions] ``1W3`` is stage 1's weight-gradient pass of microbatch 3 (zero-bubble
+pipelines). In a schedule where a stage has W actions, its ``B`` computes only the gradients of
+its inputs (what it sends back) and its ``W`` the gradients of its weights, later, on the same
+rank; a stage without W actions runs its whole backward in ``B``. Per stage, every microbatch
+has a W or none does (the validator checks it). W moves no message.
 
 [Note: message tags] ``tag = ((boundary·S + dst_stage)·m + microbatch)·2 + backward`` with ``S``
 stages and ``m`` microbatches. A boundary names its producer stage, so (boundary, destination
@@ -46,8 +54,10 @@ __all__ = [
     "message_tag",
     "parse_schedule",
     "rank_of_stage",
+    "release_op",
     "stages_of_rank",
     "tag_upper_bound",
+    "weight_stages",
 ]
 
 
@@ -57,6 +67,7 @@ class Op(enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -73,12 +84,12 @@ class Op(enum.Enum):
 _OP_RANK = {op: i for i, op in enumerate(Op)}
 # Tuples, not sets: `in` on a tuple compares identity first, while hashing an Enum member
 # runs Python code, and the validator and simulator test membership in hot loops.
-COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD)
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 COMM_OPS = (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
 _SENDS = (Op.SEND_F, Op.SEND_B)
 
 _ACTION_RE = re.compile(
-    r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE|STEP|F|B)(\d+)?(?:([<>])(\d+))?$")
+    r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE|STEP|F|B|W)(\d+)?(?:([<>])(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
@@ -129,7 +140,7 @@ class Action:
         match = _ACTION_RE.match(text.strip())
         if not match:
             raise ScheduleError(
-                f"An action reads like '1F3', '1B3', '1SEND_F3>2', '2RECV_F3<1', '2SEND_B3>1', "
+                f"An action reads like '1F3', '1B3', '1W3', '1SEND_F3>2', '2RECV_F3<1', '2SEND_B3>1', "
                 f"'1RECV_B3<2', '1REDUCE' or '1STEP'. Received: text={text!r}")
         stage, op_text, mb, arrow, peer = match.groups()
         op = Op(op_text)
@@ -202,8 +213,22 @@ def parse_schedule(text: str) -> Schedule:
     return schedule
 
 
+def weight_stages(schedule: Schedule) -> set[int]:
+    """The stages with W actions: their B leaves the weight gradients to W ([Note: weight actions])."""
+    return {a.stage for actions in schedule.values() for a in actions if a.op is Op.WEIGHT}
+
+
+def release_op(stage: int, split: set[int]) -> Op:
+    """The action after which ``stage`` no longer holds a microbatch's activations: its W when
+    it has W actions (``stage in split``, from `weight_stages`), else its B."""
+    return Op.WEIGHT if stage in split else Op.BACKWARD
+
+
 def rank_of_stage(stage: int, num_ranks: int) -> int:
-    """The pipeline rank that runs ``stage``: ``stage % num_ranks`` (virtual stage c·p + r → r)."""
+    """The pipeline rank that runs ``stage``: ``stage % num_ranks`` (virtual stage c·p + r → r).
+
+    The interleaved placement only; `tfsmp.schedule.placement.Placement` covers every pipeline.
+    """
     if num_ranks < 1 or stage < 0:
         raise ScheduleError(
             f"rank_of_stage needs stage >= 0 and num_ranks >= 1. "

@@ -1,10 +1,15 @@
-"""Schedule generators: the compute actions (F/B) of SMP's ``simple`` and ``interleaved`` pipelines.
+"""Schedule generators: the compute actions of SMP's pipelines and of the zero-bubble ones.
 
 Example::
 
     generate("interleaved", num_ranks=4, num_microbatches=8)         # 1F1B (PipeDream-Flush)
     generate("interleaved", 4, 8, virtual_stages=2)                  # Megatron interleaved 1F1B
     generate("simple", 4, 8, active_microbatches=4)                  # GPipe in waves of 4
+    generate("zb-h1", 4, 8)                                          # zero bubble, 1F1B memory
+    generate("zb-v", 4, 8, virtual_stages=2)                         # ZB-V, V placement
+
+``zb-h1`` and ``zb-v`` split each backward into B and W ([Note: weight actions]); ``zb-v``
+places its stages in a V ([Note: placement]), the others stage ``s`` on rank ``s % p``.
 
 Index legend: ``p`` ranks, ``m`` microbatches, ``v`` virtual stages (model chunks) per rank,
 ``r`` a rank, ``c`` a chunk; chunk ``c`` of rank ``r`` is stage ``c·p + r``.
@@ -34,6 +39,28 @@ Staircase of ``interleaved``, p = 4, m = 6, forward and backward one time unit e
     rank 1: .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 .  B4 .  B5 .
     rank 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 .  B5 .  .
     rank 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 .  .  .
+
+[Note: ZB-H1] (Qi et al. 2023, §2.1; PyTorch's ``ScheduleInterleavedZeroBubble`` with one
+chunk): 1F1B's order of F and B, with rank r's W of each microbatch delayed by ``r`` B's
+(``d_r = r``); the remaining Ws close the step. Rank r then holds 1F1B's ``p - r`` microbatches
+until their B and ``p`` until their W — the peak of 1F1B (its rank 0) on every rank, the
+paper's memory bound. At F = B = W each rank idles ``p - 1`` units against 1F1B's ``3(p - 1)``:
+the makespan is ``3m + p - 1`` for m >= p, which is optimal under that bound (rank 0 holds p
+microbatches before its first B can arrive, at ``2p - 1``). Capping every rank at its own
+1F1B count ``p - r`` until W would force the last rank into F B W F B W ... and cost
+``p - 1`` more units (makespan ``3m + 2p - 2``, bubble 0.73 of 1F1B's at p = 4, m = 8, and
+a speed-up over 1F1B of 27/26 at p = 2, m = 8). With ``active_microbatches = a`` the F/B
+order is 1F1B's under the cap and ``d_r = min(r, a - min(p - r, a))``, so a rank never holds
+more than ``a`` microbatches until their W.
+
+Staircase of ``zb-h1``, p = 4, m = 6, F = B = W = 1 (`render_staircase`)::
+
+    rank 0: F0 F1 F2 F3 .  .  .  B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5
+    rank 1: .  F0 F1 F2 .  .  B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5
+    rank 2: .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5
+    rank 3: .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5
+
+The zb-v order comes from `tfsmp.schedule.zero_bubble` ([Note: zero-bubble list scheduling]).
 """
 
 from __future__ import annotations
@@ -42,10 +69,10 @@ from collections.abc import Sequence
 
 from tfsmp.errors import ScheduleError
 from tfsmp.schedule.actions import Action, Op, Schedule
+from tfsmp.schedule.placement import PIPELINES, Placement, check_virtual_stages
+from tfsmp.schedule.zero_bubble import zero_bubble
 
 __all__ = ["PIPELINES", "fuse_last_stage", "generate"]
-
-PIPELINES = ("simple", "interleaved")
 
 
 def generate(pipeline: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1,
@@ -53,16 +80,19 @@ def generate(pipeline: str, num_ranks: int, num_microbatches: int, virtual_stage
     """The compute actions of every rank for one optimizer step.
 
     Args:
-        pipeline: ``"simple"`` (every forward before any backward, GPipe) or ``"interleaved"``
-            (backward first whenever possible, 1F1B; Megatron's interleaving when v > 1).
+        pipeline: ``"simple"`` (every forward before any backward, GPipe), ``"interleaved"``
+            (backward first whenever possible, 1F1B; Megatron's interleaving when v > 1),
+            ``"zb-h1"`` (zero bubble at 1F1B's peak memory, v = 1) or ``"zb-v"`` (ZB-V,
+            v = 2 chunks per rank in a V).
         num_ranks: pipeline ranks ``p``.
         num_microbatches: microbatches ``m`` per step.
         virtual_stages: model chunks ``v`` per rank; the model has ``p·v`` stages.
         active_microbatches: at most this many microbatches in flight (forward started, last
-            backward not done) on any rank. ``simple`` then runs in waves of this size.
+            backward not done; last W for the zero-bubble pipelines) on any rank. ``simple``
+            then runs in waves of this size.
 
     Returns:
-        ``{rank: [Action, ...]}`` holding only FORWARD and BACKWARD actions.
+        ``{rank: [Action, ...]}`` holding only compute actions: F and B, and W for ``zb-*``.
 
     Raises:
         ScheduleError: an argument is out of range.
@@ -72,7 +102,34 @@ def generate(pipeline: str, num_ranks: int, num_microbatches: int, virtual_stage
     cap = m if active_microbatches is None else min(active_microbatches, m)
     if pipeline == "simple":
         return {r: _simple(r, p, m, v, cap) for r in range(p)}
-    return {r: _interleaved(r, p, m, v, cap) for r in range(p)}
+    if pipeline == "interleaved":
+        return {r: _interleaved(r, p, m, v, cap) for r in range(p)}
+    return _zero_bubble(pipeline, p, m, v, cap)
+
+
+def _zero_bubble(pipeline: str, p: int, m: int, v: int, cap: int) -> Schedule:
+    """[Note: ZB-H1]; ZB-V holds at most ``2p`` half-size chunks on every rank until their W
+    (1F1B's rank-0 bytes)."""
+    if pipeline == "zb-h1":
+        return {r: _zb_h1(r, p, m, cap) for r in range(p)}
+    placement = Placement.for_pipeline(pipeline, p, v)
+    return zero_bubble(placement, m, [2 * p] * p, microbatch_cap=cap if cap < m else None)
+
+
+def _zb_h1(rank: int, p: int, m: int, cap: int) -> list[Action]:
+    """1F1B's F/B order with each W delayed by ``d_r`` B's ([Note: ZB-H1])."""
+    order = _interleaved(rank, p, m, 1, cap)
+    delay = min(rank, cap - min(p - rank, cap))
+    out: list[Action] = []
+    pending: list[Action] = []
+    for a in order:
+        out.append(a)
+        if a.op is Op.BACKWARD:
+            pending.append(a)
+        while len(pending) > delay:
+            b = pending.pop(0)
+            out.append(Action(b.stage, Op.WEIGHT, b.microbatch))
+    return out + [Action(b.stage, Op.WEIGHT, b.microbatch) for b in pending]
 
 
 def fuse_last_stage(schedule: Schedule) -> Schedule:
@@ -85,9 +142,10 @@ def fuse_last_stage(schedule: Schedule) -> Schedule:
     idle: measured bubble 0.41 at p = 2, m = 8, where the formula gives 1/9. Moving each such
     backward to right after its own forward cannot add a wait (it depends on nothing else and
     its send does not block), so the result stays deadlock-free; ``interleaved`` with v = 1
-    already has this order and is returned unchanged. The schedules of `generate` keep the
-    textbook orders (the simulator's formulas, peak activations m for ``simple``); the runtime
-    and the timeline comparison use this one.
+    already has this order and is returned unchanged, and so are ``zb-h1`` and ``zb-v``, which
+    are generated in it (their W actions stay where they are). The schedules of `generate` keep
+    the textbook orders (the simulator's formulas, peak activations m for ``simple``); the
+    runtime and the timeline comparison use this one.
 
     Args:
         schedule: compute actions per rank (`generate`'s result).
@@ -117,6 +175,7 @@ def _check_args(pipeline: str, p: int, m: int, v: int, a: int | None) -> None:
     for name, value in (("num_ranks", p), ("num_microbatches", m), ("virtual_stages", v)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer. Received: {name}={value!r}")
+    check_virtual_stages(pipeline, v)
     if a is not None and (not isinstance(a, int) or a < 1):
         raise ScheduleError(
             f"active_microbatches must be a positive integer or None. "

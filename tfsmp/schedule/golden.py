@@ -19,6 +19,7 @@ from tfsmp.schedule.actions import format_schedule
 from tfsmp.schedule.generators import generate
 from tfsmp.schedule.links import StageLinks
 from tfsmp.schedule.lowering import lower
+from tfsmp.schedule.placement import Placement
 
 __all__ = ["CASES", "REGENERATE", "GoldenCase", "golden_text", "main", "write_all"]
 
@@ -41,6 +42,10 @@ class GoldenCase:
         suffix = f"_{self.links}" if self.links else ""
         return f"{self.pipeline}_p{self.p}_m{self.m}_v{self.v}{suffix}.txt"
 
+    @property
+    def placement(self) -> Placement:
+        return Placement.for_pipeline(self.pipeline, self.p, self.v)
+
 
 def _cases() -> list[GoldenCase]:
     cases = [GoldenCase(pipe, p, m, 1)
@@ -49,6 +54,9 @@ def _cases() -> list[GoldenCase]:
     cases += [GoldenCase("interleaved", 1, 4, 2), GoldenCase("interleaved", 4, 6, 2),
               GoldenCase("simple", 4, 8, 2),
               GoldenCase("interleaved", 4, 4, 1, "skip"), GoldenCase("simple", 4, 4, 1, "skip")]
+    cases += [GoldenCase(pipe, p, m, v) for pipe, v in (("zb-h1", 1), ("zb-v", 2))
+              for p in (1, 2, 4) for m in (1, 2, 4, 8)]
+    cases += [GoldenCase("zb-h1", 4, 4, 1, "skip")]
     return cases
 
 
@@ -59,8 +67,11 @@ def golden_text(case: GoldenCase) -> str:
     """The file content for one case."""
     compute = generate(case.pipeline, case.p, case.m, case.v)
     links = _LINKS[case.links] if case.links else None
-    lowered = lower(compute, links, case.p)
+    placement = case.placement
+    lowered = lower(compute, links, case.p, placement=placement)
     where = f", links={case.links}: {dict(links.forward)}" if links else ""
+    if placement.kind != "interleaved":
+        where += f"\n# placement {placement.kind}: {placement.describe()}"
     return (f"# {case.pipeline} pipeline, p={case.p} ranks, m={case.m} microbatches, "
             f"v={case.v} virtual stages{where}\n"
             f"# Regenerate: {REGENERATE}\n"

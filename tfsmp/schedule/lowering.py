@@ -11,37 +11,42 @@ ascending, from the plan's boundaries, skip connections included)::
 
     sRECV_F{i}<q ...  sF{i}  sSEND_F{i}>c ...
     sRECV_B{i}<c ...  sB{i}  sSEND_B{i}>q ...
+    sW{i}                                        (no message: [Note: weight actions])
 
 The runtime pre-posts every receive of a step and never blocks in a send, so a rank can only wait
 at a receive, for a send that its peer makes right after the compute action that produces the
 data. A lowered schedule therefore deadlocks exactly when its compute order does, and the
 validator checks that for every schedule (`tfsmp.schedule.validate`). Pairs of stages on the same
-rank (virtual stages) keep their send and receive: the runtime hands the tensors over locally.
+rank (virtual stages, and ZB-V's pairs, wherever the `Placement` puts them) keep their send and
+receive: the runtime hands the tensors over locally.
 
 [Note: reduce buckets] A stage's data-parallel gradient reduction comes right after its last
-backward and that backward's sends (so the gradient a peer waits for leaves first). With
+backward and that backward's sends (so the gradient a peer waits for leaves first); in a stage
+with W actions, whose B leaves the weight gradients to W, right after its last W instead. With
 ``reduce_buckets = K > 1`` it is K actions ``sREDUCE0 .. sREDUCE{K-1}``: bucket k holds the k-th
 of K near-equal slices of the stage's trainable variables, in the order backward finalizes their
 gradients (last layers first), so a runtime may start bucket k's allreduce as soon as the last
-backward has produced it. The runtime issues reductions without blocking; with v > 1 they overlap
+backward (or W) has produced it. The runtime issues reductions without blocking; with v > 1 they overlap
 the backwards of the rank's earlier chunks.
 
 [Note: optimizer step] ``STEP`` is per rank, not per stage: one action at the end of each rank's
-list, with ``stage`` = the rank's first stage (= the rank), applying the optimizer once to the
-variables of all the rank's stages after waiting for their reductions.
+list, with ``stage`` = the rank's first stage (= the rank, in both placements), applying the
+optimizer once to the variables of all the rank's stages after waiting for their reductions.
 """
 
 from __future__ import annotations
 
 from tfsmp.errors import ScheduleError
-from tfsmp.schedule.actions import Action, Op, Schedule, rank_of_stage
+from tfsmp.schedule.actions import Action, Op, Schedule
 from tfsmp.schedule.links import Links, as_links
+from tfsmp.schedule.placement import Placement
 
-__all__ = ["lower", "num_stages_of"]
+__all__ = ["lower", "num_stages_of", "placement_of"]
 
 
 def lower(compute: Schedule, plan: Links | None = None, num_ranks: int | None = None, *,
-          data_parallel: bool = True, reduce_buckets: int = 1) -> Schedule:
+          data_parallel: bool = True, reduce_buckets: int = 1,
+          placement: Placement | None = None) -> Schedule:
     """Adds communication, reductions and the step to a compute-only schedule.
 
     Args:
@@ -51,6 +56,8 @@ def lower(compute: Schedule, plan: Links | None = None, num_ranks: int | None = 
         num_ranks: pipeline ranks; defaults to ``len(compute)``.
         data_parallel: emit ``REDUCE`` actions (set False without data-parallel replicas).
         reduce_buckets: REDUCE actions per stage; see [Note: reduce buckets].
+        placement: which rank runs each stage; default stage ``s`` on rank ``s % p``. Pass
+            ``Placement.for_pipeline("zb-v", p, 2)`` for a ZB-V schedule.
 
     Returns:
         The lowered schedule, per [Note: lowering order].
@@ -66,7 +73,8 @@ def lower(compute: Schedule, plan: Links | None = None, num_ranks: int | None = 
     if reduce_buckets < 1:
         raise ScheduleError(
             f"reduce_buckets must be a positive integer. Received: reduce_buckets={reduce_buckets}")
-    _check_compute_only(compute, p)
+    where = placement_of(compute, p, placement)
+    _check_compute_only(compute, where)
     links = as_links(plan, num_stages_of(compute))
     peers = {s: (links.peers_backward(s), links.peers_forward(s)) for s in range(links.num_stages)}
     return {rank: _lower_rank(rank, actions, peers, data_parallel, reduce_buckets)
@@ -79,25 +87,47 @@ def num_stages_of(schedule: Schedule) -> int:
                    default=-1)
 
 
-def _check_compute_only(compute: Schedule, p: int) -> None:
+def placement_of(schedule: Schedule, num_ranks: int, placement: Placement | None) -> Placement:
+    """``placement``, checked against the schedule's size, or the interleaved default over it.
+
+    Raises:
+        ScheduleError: ``placement`` is for another number of ranks or stages.
+    """
+    stages = max(1, num_stages_of(schedule))
+    if placement is None:
+        return Placement(max(1, num_ranks), stages)
+    if placement.num_ranks != num_ranks or placement.num_stages != stages:
+        raise ScheduleError(
+            f"The placement must be for the schedule's ranks and stages. Received: placement "
+            f"num_ranks={placement.num_ranks}, num_stages={placement.num_stages}; schedule "
+            f"num_ranks={num_ranks}, num_stages={stages}.")
+    return placement
+
+
+def _check_compute_only(compute: Schedule, placement: Placement) -> None:
     for rank, actions in compute.items():
         for step, a in enumerate(actions):
             if not a.is_compute:
                 raise ScheduleError(
-                    f"lower() takes compute actions (F/B) only. Received: {a} at rank {rank}, "
+                    f"lower() takes compute actions (F/B/W) only. Received: {a} at rank {rank}, "
                     f"step {step}. Lower the generator's output, not a lowered schedule.")
-            if rank_of_stage(a.stage, p) != rank:
+            if placement.rank(a.stage) != rank:
                 raise ScheduleError(
-                    f"Stage s runs on rank s % {p}. Received: {a} at rank {rank}, step {step}")
+                    f"{placement.rule()}. Received: {a} at rank {rank}, step {step}. Pass the "
+                    f"schedule's placement (a zb-v schedule needs "
+                    f"placement=Placement.for_pipeline('zb-v', p, 2)).")
 
 
 def _lower_rank(rank: int, actions: list[Action], peers: dict[int, tuple[list[int], list[int]]],
                 data_parallel: bool, buckets: int) -> list[Action]:
-    last_backward = {a.stage: step for step, a in enumerate(actions) if a.op is Op.BACKWARD}
+    # [Note: reduce buckets]: after the last W of a stage that has Ws, else its last B; W
+    # follows B, so the later of the two positions is the right one either way.
+    last_gradient = {a.stage: step for step, a in enumerate(actions)
+                     if a.op in (Op.BACKWARD, Op.WEIGHT)}
     out: list[Action] = []
     for step, a in enumerate(actions):
         out += _with_comm(a, *peers[a.stage])
-        if data_parallel and last_backward.get(a.stage) == step:
+        if data_parallel and last_gradient.get(a.stage) == step:
             out += ([Action(a.stage, Op.REDUCE)] if buckets == 1
                     else [Action(a.stage, Op.REDUCE, k) for k in range(buckets)])
     out.append(Action(rank, Op.STEP))
@@ -107,6 +137,8 @@ def _lower_rank(rank: int, actions: list[Action], peers: dict[int, tuple[list[in
 def _with_comm(a: Action, producers: list[int], consumers: list[int]) -> list[Action]:
     """``a`` with its receives before and its sends after ([Note: lowering order])."""
     s, i = a.stage, a.microbatch
+    if a.op is Op.WEIGHT:
+        return [a]
     if a.op is Op.FORWARD:
         return ([Action(s, Op.RECV_F, i, q) for q in producers] + [a]
                 + [Action(s, Op.SEND_F, i, c) for c in consumers])

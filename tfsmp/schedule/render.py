@@ -94,8 +94,9 @@ def render_staircase(result: SimResult, *, compute_only: bool = True) -> str:
     """The simulated timeline as text: one row per rank, one column per time unit, ``.`` = idle.
 
     The time unit is the shortest compute action; an action longer than one unit continues
-    with ``-`` cells. Cells show ``F3``/``B3`` (microbatch 3), prefixed with the stage when a
-    rank runs several stages (``4F3``).
+    with ``-`` cells. Cells show ``F3``/``B3``/``W3`` (microbatch 3), prefixed with the stage
+    when a rank runs several stages (``4F3``). Under a placement other than the interleaved
+    one (ZB-V's), each row names its rank's stages: ``rank 0 (stages 0, 7): ...``.
     """
     compute = [e for e in result.timeline if e.action.is_compute or not compute_only]
     durations = [e.end - e.start for e in compute if e.end > e.start]
@@ -105,6 +106,7 @@ def render_staircase(result: SimResult, *, compute_only: bool = True) -> str:
     labels = {id(e): _label(e.action, stages_per_rank > 1) for e in compute}
     width = max((len(t) for t in labels.values()), default=2)
     slots = round(result.makespan / unit) if unit > 0 else 0
+    heads = _row_heads(result)
     rows = []
     for rank in range(result.num_ranks):
         cells = ["."] * slots
@@ -114,8 +116,19 @@ def render_staircase(result: SimResult, *, compute_only: bool = True) -> str:
             first, last = round(e.start / unit), round(e.end / unit)
             for k in range(first, min(last, slots)):
                 cells[k] = labels[id(e)] if k == first else "-"
-        rows.append(f"rank {rank}: " + " ".join(c.ljust(width) for c in cells).rstrip())
+        rows.append(heads[rank] + " ".join(c.ljust(width) for c in cells).rstrip())
     return "\n".join(rows)
+
+
+def _row_heads(result: SimResult) -> list[str]:
+    """``"rank 0: "``, or with a non-interleaved placement ``"rank 0 (stages 0, 7): "``."""
+    where = result.placement
+    if where is None or where.kind == "interleaved":
+        return [f"rank {r}: " for r in range(result.num_ranks)]
+    heads = [f"rank {r} (stages {', '.join(map(str, where.stages(r)))}): "
+             for r in range(result.num_ranks)]
+    width = max(len(h) for h in heads)
+    return [h.ljust(width) for h in heads]
 
 
 def _label(action: Action, with_stage: bool) -> str:
@@ -127,7 +140,8 @@ def render_timeline(result: SimResult, path: str | Path, *, title: str | None = 
     """Draws the simulated timeline to a PNG or SVG file (chosen by the suffix).
 
     One row per rank; forward boxes in a light and backward boxes in a dark, hatched shade of a
-    colour per microbatch; white gaps are idle time. Needs matplotlib.
+    colour per microbatch, weight-gradient (W) boxes in a middle shade hatched the other way;
+    white gaps are idle time. Rows name their stages under ZB-V's placement. Needs matplotlib.
 
     Returns:
         The path written.
@@ -152,14 +166,17 @@ def render_timeline(result: SimResult, path: str | Path, *, title: str | None = 
         _draw_box(ax, e, cmap, multi_stage)
     ax.set_xlim(0, result.makespan)
     ax.set_ylim(result.num_ranks - 0.5, -0.5)
-    ax.set_yticks(range(result.num_ranks), [f"rank {r}" for r in range(result.num_ranks)])
+    ax.set_yticks(range(result.num_ranks), [h.strip().rstrip(":") for h in _row_heads(result)])
     ax.set_xlabel("time")
     ax.set_title(title or f"bubble fraction {result.bubble_fraction:.3f}, "
                           f"peak activations {result.peak_activations}")
-    ax.legend(handles=[Patch(facecolor="0.8", edgecolor="black", label="forward"),
-                       Patch(facecolor="0.4", edgecolor="black", hatch="//", label="backward"),
-                       Patch(facecolor="0.92", edgecolor="none", label="idle")],
-              loc="upper left", bbox_to_anchor=(1.005, 1.0), frameon=False)
+    handles = [Patch(facecolor="0.8", edgecolor="black", label="forward"),
+               Patch(facecolor="0.4", edgecolor="black", hatch="//", label="backward")]
+    if any(e.action.op is Op.WEIGHT for e in compute):
+        handles.append(Patch(facecolor="0.6", edgecolor="black", hatch="\\\\",
+                             label="weight gradient (W)"))
+    handles.append(Patch(facecolor="0.92", edgecolor="none", label="idle"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -170,10 +187,16 @@ def _draw_box(ax: Any, e: TimelineEntry, cmap: Any, multi_stage: bool) -> None:
     a = e.action
     colour = cmap(a.microbatch % cmap.N)
     backward = a.op is Op.BACKWARD
-    face = tuple(0.55 * c for c in colour[:3]) if backward else tuple(
-        0.35 + 0.65 * c for c in colour[:3])
+    weight = a.op is Op.WEIGHT
+    if backward:
+        face = tuple(0.55 * c for c in colour[:3])
+    elif weight:
+        face = tuple(0.15 + 0.7 * c for c in colour[:3])
+    else:
+        face = tuple(0.35 + 0.65 * c for c in colour[:3])
+    hatch = "//" if backward else "\\\\" if weight else None
     ax.barh(e.rank, e.end - e.start, left=e.start, height=0.8, color=face, edgecolor="black",
-            linewidth=0.6, hatch="//" if backward else None)
+            linewidth=0.6, hatch=hatch)
     label = _label(a, multi_stage)
     ax.text((e.start + e.end) / 2, e.rank, label, ha="center", va="center",
             fontsize=6.5 if multi_stage else 8,

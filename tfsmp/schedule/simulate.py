@@ -7,13 +7,16 @@ Example::
     result.peak_activations       # [4, 3, 2, 1]
 
 [Note: cost model] Each rank runs its actions in order. A forward or backward of stage s takes
-``forward_time[s]`` / ``backward_time[s]``. A send costs its rank nothing (the runtime never
-blocks in one) and its message arrives ``comm_time`` later (nothing for a hand-off between two
-stages of one rank); a receive waits until its message has arrived. REDUCE runs in the
+``forward_time[s]`` / ``backward_time[s]``; ``backward_time`` is the whole backward, so in a
+stage with W actions ([Note: weight actions]) B takes ``backward_time[s] - weight_time[s]`` and
+W ``weight_time[s]``. A send costs its rank nothing (the runtime never blocks in one) and its
+message arrives ``comm_time`` later (nothing for a hand-off between two stages of one rank, by
+the `Placement`); a receive waits until its message has arrived. REDUCE runs in the
 background on the rank's reduction channel, one after another, taking ``reduce_time[s]``
 divided among the stage's buckets; STEP waits for them and takes ``step_time``. A rank's bubble
-is its idle share of the makespan, ``1 - busy/makespan`` with busy = its forward and backward
-time; the overall bubble is ``1 - Σ busy / (p · makespan)``.
+is its idle share of the makespan, ``1 - busy/makespan`` with busy = its F, B and W time; the
+overall bubble is ``1 - Σ busy / (p · makespan)``. Peak activations count a stage-microbatch
+pair from its F until its B, or its W in a stage with W actions.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from tfsmp.errors import ScheduleError
-from tfsmp.schedule.actions import Action, MessageKey, Op, Schedule, message_key, rank_of_stage
+from tfsmp.schedule.actions import Action, MessageKey, Op, Schedule, message_key, weight_stages
 from tfsmp.schedule.links import Links
-from tfsmp.schedule.lowering import lower, num_stages_of
+from tfsmp.schedule.lowering import lower, num_stages_of, placement_of
+from tfsmp.schedule.placement import Placement
 from tfsmp.schedule.validate import peak_activations, validate
 
 __all__ = ["SimResult", "TimelineEntry", "simulate"]
@@ -51,6 +55,7 @@ class SimResult:
     rank_bubble_fraction: list[float]
     peak_activations: list[int]
     timeline: list[TimelineEntry]  # by rank, each rank's actions in program order
+    placement: Placement | None = None  # the stage -> rank placement simulated
 
     def to_dict(self) -> dict[str, Any]:
         """The summary (no timeline) as JSON-ready values."""
@@ -70,63 +75,84 @@ Times = float | Sequence[float]
 def simulate(schedule: Schedule, *, forward_time: Times = 1.0, backward_time: Times = 2.0,
              comm_time: Callable[[Action], float] | float = 0.0, reduce_time: Times = 0.0,
              step_time: float = 0.0, num_ranks: int | None = None,
-             links: Links | None = None) -> SimResult:
+             links: Links | None = None, weight_time: Times = 0.0,
+             placement: Placement | None = None) -> SimResult:
     """Simulates one step of a schedule under [Note: cost model].
 
     Args:
         schedule: compute-only (then lowered along ``links``, without REDUCE) or lowered.
         forward_time: seconds of one microbatch's forward, one value or one per stage.
-        backward_time: the same for backward.
+        backward_time: the same for the whole backward (B, plus W where the stage has Ws).
         comm_time: seconds from a cross-rank send to its arrival: a number, or a function of
             the SEND action.
         reduce_time: seconds of one stage's gradient reduction (one value or per stage).
         step_time: seconds of the optimizer step.
         num_ranks: pipeline ranks; defaults to ``len(schedule)``.
         links: stage graph (`StagePlan` or `StageLinks`); default the chain.
+        weight_time: seconds of one W (weight gradients), one value or one per stage; part of
+            ``backward_time``, and used only by stages with W actions.
+        placement: which rank runs each stage; default stage ``s`` on rank ``s % p``.
 
     Returns:
         Makespan, busy time and bubble fraction per rank and overall, peak held activation
         sets per rank, and the timeline.
 
     Raises:
-        ScheduleError: the schedule is invalid (see `tfsmp.schedule.validate`) or a time list
-            has the wrong length.
+        ScheduleError: the schedule is invalid (see `tfsmp.schedule.validate`), a time list
+            has the wrong length, or a W takes longer than its stage's whole backward.
     """
     p = len(schedule) if num_ranks is None else num_ranks
     lowered = schedule
     if all(a.is_compute for acts in schedule.values() for a in acts):
-        lowered = lower(schedule, links, p, data_parallel=False)
-    validate(lowered, links=links)
+        lowered = lower(schedule, links, p, data_parallel=False, placement=placement)
+    validate(lowered, links=links, placement=placement)
     stages = num_stages_of(lowered)
+    where = placement_of(lowered, p, placement)
+    backward, weight = _split_backward(
+        _per_stage("backward_time", backward_time, stages),
+        _per_stage("weight_time", weight_time, stages), weight_stages(lowered))
     costs = _Costs(
         forward=_per_stage("forward_time", forward_time, stages),
-        backward=_per_stage("backward_time", backward_time, stages),
+        backward=backward, weight=weight,
         reduce=_per_stage("reduce_time", reduce_time, stages),
-        comm=comm_time, step=step_time, num_ranks=p,
+        comm=comm_time, step=step_time, placement=where,
         buckets={a.stage: 0 for acts in lowered.values() for a in acts if a.op is Op.REDUCE})
     for acts in lowered.values():
         for a in acts:
             if a.op is Op.REDUCE:
                 costs.buckets[a.stage] += 1
     timeline = _run(lowered, costs)
-    return _summarize(lowered, timeline, p)
+    return _summarize(lowered, timeline, p, where)
 
 
 @dataclass
 class _Costs:
     forward: list[float]
-    backward: list[float]
+    backward: list[float]  # of B alone: the whole backward minus W in stages with Ws
+    weight: list[float]
     reduce: list[float]
     comm: Callable[[Action], float] | float
     step: float
-    num_ranks: int
+    placement: Placement
     buckets: dict[int, int]
 
     def message(self, a: Action) -> float:
-        if a.peer is None or rank_of_stage(a.peer, self.num_ranks) == rank_of_stage(
-                a.stage, self.num_ranks):
+        if a.peer is None or self.placement.rank(a.peer) == self.placement.rank(a.stage):
             return 0.0
         return float(self.comm(a)) if callable(self.comm) else float(self.comm)
+
+
+def _split_backward(backward: list[float], weight: list[float],
+                    split: set[int]) -> tuple[list[float], list[float]]:
+    """(B time, W time) per stage: the whole backward is B + W where a stage has Ws."""
+    for s in sorted(split):
+        if not 0.0 <= weight[s] <= backward[s]:
+            raise ScheduleError(
+                f"weight_time is the part of backward_time that W computes: 0 <= weight_time "
+                f"<= backward_time. Received: stage {s}: weight_time={weight[s]}, "
+                f"backward_time={backward[s]}")
+    return ([b - w if s in split else b for s, (b, w) in enumerate(zip(backward, weight))],
+            [w if s in split else 0.0 for s, w in enumerate(weight)])
 
 
 def _per_stage(name: str, value: Times, stages: int) -> list[float]:
@@ -173,6 +199,8 @@ def _time(a: Action, clock: float, channel: float,
         return clock, clock + costs.forward[a.stage]
     if a.op is Op.BACKWARD:
         return clock, clock + costs.backward[a.stage]
+    if a.op is Op.WEIGHT:
+        return clock, clock + costs.weight[a.stage]
     if a.op in (Op.RECV_F, Op.RECV_B):
         return clock, max(clock, arrival[message_key(a)])
     if a.op is Op.REDUCE:
@@ -184,7 +212,8 @@ def _time(a: Action, clock: float, channel: float,
     return clock, clock
 
 
-def _summarize(schedule: Schedule, timeline: list[TimelineEntry], p: int) -> SimResult:
+def _summarize(schedule: Schedule, timeline: list[TimelineEntry], p: int,
+               placement: Placement) -> SimResult:
     makespan = max((e.end for e in timeline), default=0.0)
     busy = [0.0] * p
     for e in timeline:
@@ -197,4 +226,5 @@ def _summarize(schedule: Schedule, timeline: list[TimelineEntry], p: int) -> Sim
         rank_bubble, bubble = [0.0] * p, 0.0
     return SimResult(num_ranks=p, makespan=makespan, busy=busy, bubble_fraction=bubble,
                      rank_bubble_fraction=rank_bubble, peak_activations=peak_activations(schedule),
-                     timeline=sorted(timeline, key=lambda e: e.rank))  # stable: program order
+                     timeline=sorted(timeline, key=lambda e: e.rank),  # stable: program order
+                     placement=placement)

@@ -5,17 +5,20 @@ Example::
     validate(lower(generate("interleaved", 4, 8), None, 4))          # passes silently
     validate(broken)    # ScheduleError: ... then the rank × step grid, failing step marked
 
-Checks, in order: every action on the rank of its stage; every (stage, microbatch) has exactly
-one forward and one backward, forward first; sends and receives pair up one to one with the same
-(sender stage, receiver stage, microbatch, direction) and in the same order on both sides, each
-after/before the compute it belongs to; REDUCE after its stage's last backward and STEP after
+Checks, in order: every action on the rank of its stage (by the `Placement`, default stage ``s``
+on rank ``s % p``); every (stage, microbatch) has exactly one forward and one backward, forward
+first; a stage with W actions has exactly one W per microbatch, after its B ([Note: weight
+actions]); sends and receives pair up one to one with the same (sender stage, receiver stage,
+microbatch, direction) and in the same order on both sides, each after/before the compute it
+belongs to; REDUCE after its stage's last backward (last W when it has Ws) and STEP after
 everything of its rank; then the dry run of [Note: deadlock model]; then buffers.
 
 [Note: deadlock model] The runtime pre-posts all receives of a step and never blocks in a send,
 so the dry run lets sends complete at once and blocks a rank at a receive until the matching
 send has run. A compute-only schedule is dry-run through its data dependencies instead: a
 forward waits for its producers' forwards, a backward for its consumers' backwards (links from
-``links``, default the chain).
+``links``, default the chain), a W for its own B. W moves no message, so in a lowered schedule
+it never waits.
 """
 
 from __future__ import annotations
@@ -25,8 +28,17 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from tfsmp.errors import ScheduleError
-from tfsmp.schedule.actions import Action, MessageKey, Op, Schedule, message_key, rank_of_stage
+from tfsmp.schedule.actions import (
+    Action,
+    MessageKey,
+    Op,
+    Schedule,
+    message_key,
+    release_op,
+    weight_stages,
+)
 from tfsmp.schedule.links import Links, as_links
+from tfsmp.schedule.placement import Placement
 from tfsmp.schedule.render import render_ascii
 
 __all__ = ["peak_activations", "peak_in_flight", "validate"]
@@ -39,7 +51,7 @@ _WHAT = {"F": "activations", "B": "gradients"}
 
 
 def validate(schedule: Schedule, *, links: Links | None = None,
-             max_activations: int | None = None) -> None:
+             max_activations: int | None = None, placement: Placement | None = None) -> None:
     """Checks a compute-only or lowered schedule; returns None when it is valid.
 
     Args:
@@ -47,28 +59,37 @@ def validate(schedule: Schedule, *, links: Links | None = None,
         links: the stage graph (a `StagePlan` or `StageLinks`). Lowered schedules are checked
             against it when given; compute-only ones are dry-run along it (default: the chain).
         max_activations: if set, no rank may hold more (stage, microbatch) activation sets at
-            once (forward run, backward not yet).
+            once (forward run, backward not yet; W not yet in a stage with W actions).
+        placement: which rank runs each stage; default stage ``s`` on rank ``s % p`` over the
+            schedule's stages.
 
     Raises:
         ScheduleError: naming the rule, with the grid and the failing steps marked.
     """
-    _Checker(schedule, links, max_activations).run()
+    _Checker(schedule, links, max_activations, placement).run()
 
 
 def peak_activations(schedule: Schedule) -> list[int]:
-    """Per rank, the most (stage, microbatch) activation sets held at once (F run, B not yet)."""
+    """Per rank, the most (stage, microbatch) activation sets held at once: F run, and B not yet
+    (W not yet in a stage with W actions, whose W still reads them)."""
+    split = weight_stages(schedule)
     peaks = []
     for rank in sorted(schedule):
         held = peak = 0
         for a in schedule[rank]:
-            held += 1 if a.op is Op.FORWARD else -1 if a.op is Op.BACKWARD else 0
+            if a.op is Op.FORWARD:
+                held += 1
+            elif a.is_compute and a.op is release_op(a.stage, split):
+                held -= 1
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
 
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
-    """Per rank, the most distinct microbatches in flight at once (first F run, last B not yet)."""
+    """Per rank, the most distinct microbatches in flight at once: first F run, and last B not
+    yet (last W in stages with W actions)."""
+    split = weight_stages(schedule)
     peaks = []
     for rank in sorted(schedule):
         held: dict[int | None, int] = {}
@@ -76,7 +97,8 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
         for a in schedule[rank]:
             if a.op is Op.FORWARD:
                 held[a.microbatch] = held.get(a.microbatch, 0) + 1
-            elif a.op is Op.BACKWARD and held.get(a.microbatch):
+            elif (a.is_compute and a.op is release_op(a.stage, split)
+                  and held.get(a.microbatch)):
                 held[a.microbatch] -= 1
                 if not held[a.microbatch]:
                     del held[a.microbatch]
@@ -90,15 +112,18 @@ class _Checker:
     schedule: Schedule
     links: Links | None
     max_activations: int | None
+    given_placement: Placement | None = None
 
     def run(self) -> None:
         self.p = self._check_ranks()
+        self.placement = self._placement()
         self._check_placement()
+        self.split = weight_stages(self.schedule)
         self.forward_at, self.backward_at = self._check_compute()
         self.num_stages = 1 + max((s for s, _ in self.forward_at), default=-1)
         self.num_microbatches = 1 + max((i for _, i in self.forward_at), default=-1)
-        self.last_backward: dict[int, int] = {}
-        for (stage, _), (_, step) in self.backward_at.items():
+        self.last_backward: dict[int, int] = {}  # stage -> step of its last B, or last W
+        for (stage, _), (_, step) in (*self.backward_at.items(), *self.weight_at.items()):
             self.last_backward[stage] = max(step, self.last_backward.get(stage, -1))
         self.lowered = any(a.is_comm for acts in self.schedule.values() for a in acts)
         graph = as_links(self.links, max(1, self.num_stages))
@@ -128,17 +153,33 @@ class _Checker:
                 f"{sorted(self.schedule)}")
         return p
 
+    def _placement(self) -> Placement:
+        stages = 1 + max((a.stage for acts in self.schedule.values() for a in acts), default=0)
+        if self.given_placement is None:
+            return Placement(self.p, stages)
+        if self.given_placement.num_ranks != self.p:
+            raise ScheduleError(
+                f"The placement must be for the schedule's ranks. Received: placement "
+                f"num_ranks={self.given_placement.num_ranks}, schedule ranks 0..{self.p - 1}.")
+        return self.given_placement
+
     def _check_placement(self) -> None:
+        where = self.placement
         for rank, actions in self.schedule.items():
             for step, a in enumerate(actions):
-                if rank_of_stage(a.stage, self.p) != rank:
+                if a.stage >= where.num_stages:
                     self.fail(
-                        f"Stage s runs on rank s % {self.p}. Received: {a} on rank {rank} "
-                        f"(step {step}); move it to rank {a.stage % self.p}.",
-                        {(rank, step): f"stage {a.stage} belongs to rank {a.stage % self.p}"})
+                        f"Stages of this placement lie in 0..{where.num_stages - 1}. Received: "
+                        f"{a} on rank {rank} (step {step}).", {(rank, step): "no such stage"})
+                if where.rank(a.stage) != rank:
+                    self.fail(
+                        f"{where.rule()}. Received: {a} on rank {rank} (step {step}); move it "
+                        f"to rank {where.rank(a.stage)}.",
+                        {(rank, step): f"stage {a.stage} belongs to rank {where.rank(a.stage)}"})
 
     def _check_compute(self) -> tuple[dict[tuple[int, int], _Pos], dict[tuple[int, int], _Pos]]:
-        at: dict[Op, dict[tuple[int, int], _Pos]] = {Op.FORWARD: {}, Op.BACKWARD: {}}
+        at: dict[Op, dict[tuple[int, int], _Pos]] = {
+            Op.FORWARD: {}, Op.BACKWARD: {}, Op.WEIGHT: {}}
         for rank, actions in self.schedule.items():
             for step, a in enumerate(actions):
                 if not a.is_compute or a.microbatch is None:
@@ -160,7 +201,30 @@ class _Checker:
                     f"{Action(key[0], Op.BACKWARD, key[1])} at step {pos[1]} before "
                     f"{Action(key[0], Op.FORWARD, key[1])} at step {forward[key][1]} on rank "
                     f"{pos[0]}.", {pos: "backward before its forward", forward[key]: "forward"})
+        self.weight_at = at[Op.WEIGHT]
+        self._check_weights(backward)
         return forward, backward
+
+    def _check_weights(self, backward: dict[tuple[int, int], _Pos]) -> None:
+        """[Note: weight actions]: all or none of a stage's microbatches have a W, after its B."""
+        mbs = 1 + max((i for _, i in backward), default=-1)
+        for s in sorted(self.split):
+            for i in range(mbs):
+                if (s, i) not in self.weight_at:
+                    pos = backward.get((s, i))
+                    self.fail(
+                        f"A stage with W actions runs the W of every microbatch 0..{mbs - 1} "
+                        f"(its B computes only input gradients). Received: no "
+                        f"{Action(s, Op.WEIGHT, i)} on rank {self.placement.rank(s)}.",
+                        {pos: f"no {Action(s, Op.WEIGHT, i)}"} if pos else {})
+        for key, pos in self.weight_at.items():
+            b = backward.get(key)
+            if b is None or pos[1] < b[1]:
+                self.fail(
+                    f"A stage runs a microbatch's W after its B. Received: "
+                    f"{Action(key[0], Op.WEIGHT, key[1])} at step {pos[1]} on rank {pos[0]}, "
+                    f"{'with no B' if b is None else f'before its B at step {b[1]}'}.",
+                    {pos: "W before its B", **({b: "B"} if b else {})})
 
     def _check_complete(self, forward: dict[tuple[int, int], _Pos],
                         backward: dict[tuple[int, int], _Pos]) -> None:
@@ -176,7 +240,7 @@ class _Checker:
                         self.fail(
                             f"Every stage runs a forward and a backward of every microbatch "
                             f"0..{mbs - 1} (stages 0..{stages - 1}). Received: no "
-                            f"{Action(s, op, i)} on rank {s % self.p}.",
+                            f"{Action(s, op, i)} on rank {self.placement.rank(s)}.",
                             {pos: f"no {Action(s, op, i)}"} if pos else {})
 
     # -- messages ------------------------------------------------------------------------------
@@ -301,8 +365,11 @@ class _Checker:
 
     def _reduce_after_backward(self, a: Action, pos: _Pos) -> None:
         if self.last_backward.get(a.stage, pos[1] + 1) > pos[1]:
-            self.fail(f"A stage reduces its gradients after its last backward. Received: {a} "
-                      f"at step {pos[1]} of rank {pos[0]}.", {pos: "too early"})
+            rule = ("A stage with W actions reduces its gradients after its last W"
+                    if a.stage in self.split else "A stage reduces its gradients after its last "
+                    "backward")
+            self.fail(f"{rule}. Received: {a} at step {pos[1]} of rank {pos[0]}.",
+                      {pos: "too early"})
 
     def _check_buckets(self, buckets: dict[int, list[int | None]]) -> None:
         expected = sorted(buckets[min(buckets)], key=lambda b: -1 if b is None else b)
@@ -346,6 +413,8 @@ class _Checker:
         i = a.microbatch if a.microbatch is not None else 0
         if a.op is Op.FORWARD:
             return [("F", q, i) for q in self.producers[a.stage]]
+        if a.op is Op.WEIGHT:
+            return [("B", a.stage, i)]
         return [("B", c, i) for c in self.consumers[a.stage]]
 
     @staticmethod
@@ -361,8 +430,10 @@ class _Checker:
         for rank, step in sorted(stuck.items()):
             a = self.schedule[rank][step]
             if a.is_comm:
+                peer = (self.placement.rank(a.peer)
+                        if a.peer is not None and a.peer < self.placement.num_stages else "?")
                 waits.append(f"rank {rank} waits at step {step} in {a} for stage {a.peer} "
-                             f"(rank {a.peer % self.p if a.peer is not None else '?'}) to send it")
+                             f"(rank {peer}) to send it")
             else:
                 missing = [str(Action(s, Op(k), i)) for k, s, i in self._compute_deps(a)
                            if (k, s, i) not in done]
@@ -382,7 +453,10 @@ class _Checker:
         for rank in sorted(self.schedule):
             held = 0
             for step, a in enumerate(self.schedule[rank]):
-                held += 1 if a.op is Op.FORWARD else -1 if a.op is Op.BACKWARD else 0
+                if a.op is Op.FORWARD:
+                    held += 1
+                elif a.is_compute and a.op is release_op(a.stage, self.split):
+                    held -= 1
                 if held > self.max_activations:
                     self.fail(
                         f"A rank holds at most max_activations={self.max_activations} activation "
