@@ -112,7 +112,7 @@ def _build(name: str) -> Any:
 def _quality(args: dict[str, Any]) -> list[dict[str, Any]]:
     import keras
 
-    from tfsmp.partitioning.api import trace_graph
+    from tfsmp.graph.planning import trace_graph
 
     rows = []
     for name in args["models"]:
@@ -134,8 +134,8 @@ def _data(name: str, rows: int) -> Any:
 def _timed_run(args: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     """Trains the model once per plan (2 ranks), alternating plans in rounds."""
     from benchmarks import tfhelp
-    from tfsmp.partitioning.api import trace_graph
-    from tfsmp.runtime.timeline import Tracer
+    from tfsmp.graph.planning import trace_graph
+    from tfsmp.timeline.events import Tracer
 
     world = tfhelp.world()
     name, batch, steps = spec["model"], spec["batch"], args["steps"]
@@ -184,8 +184,8 @@ def _timed_run(args: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
 def measured_balance(trace_dir: str) -> float:
     """Max/mean over stages of one microbatch's measured forward + backward time (the last
     stage's forward span holds its fused forward and backward)."""
-    from tfsmp.runtime import timeline_render as tr
-    from tfsmp.runtime.timeline import load_events
+    from tfsmp.timeline import render as tr
+    from tfsmp.timeline.events import load_events
 
     forward, backward = tr.stage_times(tr.training_steps(load_events(trace_dir)))
     per_stage = [f + b for f, b in zip(forward, backward)]

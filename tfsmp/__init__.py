@@ -43,13 +43,13 @@ _LAZY: dict[str, str] = {
     "Config": "tfsmp.config",
     "Topology": "tfsmp.topology",
     "StagePlan": "tfsmp.partitioning.plan",
-    "plan": "tfsmp.partitioning.api",
+    "plan": "tfsmp.graph.planning",
     "DistributedModel": "tfsmp.keras.model",
     "deferred_init": "tfsmp.keras.model",
     "register_post_partition_hook": "tfsmp.keras.model",
     "step": "tfsmp.keras.step",
     "StepOutput": "tfsmp.keras.step",
-    "partition": "tfsmp.keras.manual",
+    "partition": "tfsmp.graph.scopes",
     "CheckpointManager": "tfsmp.checkpoint.manager",
 }
 

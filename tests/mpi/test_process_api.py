@@ -9,7 +9,7 @@ from mpihelp import SCRIPTS, assert_ok, run_cases, run_mpi
 
 pytestmark = pytest.mark.mpi
 
-# SMP's documented tables for 8 processes, partitions=2 (smp_tf_api.md §1.4).
+# SMP's documented tables for 8 processes, partitions=2 (its placement_strategy documentation).
 SMP_TABLES = {
     "cluster": {"mp": [[0, 1], [2, 3], [4, 5], [6, 7]], "dp": [[0, 2, 4, 6], [1, 3, 5, 7]]},
     "spread": {"mp": [[0, 4], [1, 5], [2, 6], [3, 7]], "dp": [[0, 1, 2, 3], [4, 5, 6, 7]]},

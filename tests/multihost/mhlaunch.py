@@ -13,7 +13,7 @@ from tests.mpihelp import REPO_ROOT, Result, _split_ranks, base_env
 from tests.multihost.netns import Cluster
 from tfsmp.launch.mpirun import launcher_never_started
 
-# Skip Open MPI's OFI/UCX probing: 4.1 s -> 2.4 s per launch (multihost.md).
+# Skip Open MPI's OFI/UCX probing: 4.1 s -> 2.4 s per launch (measured on emulated hosts).
 FAST_TRANSPORT = "--mca pml ob1 --mca btl self,sm,tcp"
 LAUNCH_ATTEMPTS = 3  # [Note: launcher start-up failures] in tfsmp/launch/mpirun.py
 

@@ -13,7 +13,7 @@ a persistent UTS namespace (its hostname), a hosts file (`/etc/netns/<ns>/hosts`
 `ip netns exec` mounts over /etc/hosts) and its own TMPDIR (Open MPI's session directories).
 `agent` is an executable that behaves like `ssh HOST COMMAND` into those hosts (a fresh login-like
 environment, not the caller's); Open MPI 5 uses it as its launch agent through
-`PRTE_MCA_plm_ssh_agent` (shared/reference/multihost.md). Every command started here is bounded by
+`PRTE_MCA_plm_ssh_agent` (docs/multihost.md). Every command started here is bounded by
 `timeout -k 5 N` (SIGKILL after SIGTERM), since a failed remote launch can leave prterun ignoring
 SIGTERM. Still shared between hosts: kernel, PIDs, filesystem and cores.
 
@@ -42,7 +42,7 @@ SWITCH = f"{PREFIX}-switch"
 SUBNET = "10.77.0"                        # only ever assigned inside our own namespaces
 STATE_DIR = Path("/tmp/tfsmp-multihost")  # UTS bind-mount files, TMPDIRs, the agent
 NETNS_ETC = Path("/etc/netns")
-MTU = 65535                               # ~2.5x faster small messages on veths (multihost.md)
+MTU = 65535                               # ~2.5x faster small messages on veths (measured)
 # What a non-interactive ssh session on Debian gets: not the caller's PATH or PYTHONPATH.
 LOGIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _TOOLS = ("ip", "nsenter", "unshare", "timeout", "umount", "bash")

@@ -29,13 +29,13 @@ def visit(name, recurse):
             visit(f"{name}.{info.name}", info.ispkg)
 for name in ["tfsmp", "tfsmp.config", "tfsmp.topology", "tfsmp.graph.ir", "tfsmp.partitioning.plan"]:
     visit(name, False)
-for name in ["tfsmp.partitioning", "tfsmp.schedule"]:
+for name in ["tfsmp.partitioning", "tfsmp.schedule", "tfsmp.timeline"]:
     visit(name, True)
 print(json.dumps(seen))
 """
 
 REQUIRED = ["tfsmp", "tfsmp.config", "tfsmp.topology", "tfsmp.graph.ir", "tfsmp.partitioning.plan",
-            "tfsmp.partitioning", "tfsmp.schedule"]
+            "tfsmp.partitioning", "tfsmp.schedule", "tfsmp.timeline"]
 
 
 def _probe() -> dict[str, list[str]]:

@@ -11,7 +11,7 @@ from tfsmp.config import Config
 from tfsmp.errors import ConfigError
 from tfsmp.topology import Topology, select_gpu
 
-# --- SMP's tables (reference/smp_tf_api.md §1.4) ------------------------------------------------
+# --- SMP's tables (its documentation of placement_strategy) --------------------------------------
 
 
 def test_smp_cluster_table_8_ranks_2_partitions() -> None:

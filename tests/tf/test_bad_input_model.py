@@ -22,8 +22,8 @@ from keras import layers, ops
 import tfsmp
 from tfsmp.config import Config
 from tfsmp.errors import PartitionError, StepError, TraceError
+from tfsmp.graph.scopes import assignment, recording
 from tfsmp.graph.tracer import trace
-from tfsmp.keras.manual import assignment, recording
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.runtime.setup import make_plan
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tfsmp.launch.cli import main as cli_main
-from tfsmp.runtime import timeline_render as tr
-from tfsmp.runtime.timeline import Tracer, load_events
 from tfsmp.schedule import Op, fuse_last_stage, generate, simulate
+from tfsmp.timeline import render as tr
+from tfsmp.timeline.events import Tracer, load_events
 
 pytestmark = pytest.mark.tf
 

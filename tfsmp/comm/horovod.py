@@ -128,7 +128,7 @@ def _keras3_broadcast_compat(hvd: Any) -> None:
     ``hvd.broadcast_variables(model.variables, 0)``. Horovod 0.28.1 traces that into a
     tf.function, where a Keras 3 variable becomes a tensor without ``assign``; its underlying
     ``tf.Variable`` (``v.value``) works. Wrap the function once so the SMP pattern runs as
-    written (horovod.md §1.4)."""
+    written (tests/mpi/aws_scripts/tf2_hvd.py does)."""
     import horovod.tensorflow.functions as functions
 
     original = functions.broadcast_variables

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from tfsmp.partitioning.api import optimizer_name, plan_model
+    from tfsmp.graph.planning import optimizer_name, plan_model
     from tfsmp.partitioning.report import draw_plan, format_report
 
     model = load_function(args.model)()

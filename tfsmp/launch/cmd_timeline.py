@@ -7,7 +7,7 @@ Example::
     tfsmp timeline /tmp/trace --steps 3 --compare interleaved
 
 Prints, per training step, the step window and each rank's busy, receive-wait and idle share
-(see [Note: measured idle] in `tfsmp.runtime.timeline_render`); ``--compare PIPELINE`` adds the
+(see [Note: measured idle] in `tfsmp.timeline.render`); ``--compare PIPELINE`` adds the
 schedule simulator's prediction for the measured per-stage times. The picture shows the last
 ``--steps`` training steps; the Chrome trace (``--chrome``, default: ``--out`` with a ``.json``
 suffix) holds every event, idle gaps included, one thread per rank.
@@ -72,8 +72,8 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _build(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from tfsmp.runtime import timeline_render as tr
-    from tfsmp.runtime.timeline import load_events
+    from tfsmp.timeline import render as tr
+    from tfsmp.timeline.events import load_events
 
     _check(args)
     events = load_events(args.directory)
@@ -118,7 +118,7 @@ def _compare_line(cmp: dict[str, Any]) -> str:
 
 def _outputs(args: argparse.Namespace, spans: Any, steps: Any, summary: dict[str, Any]
              ) -> list[str]:
-    from tfsmp.runtime import timeline_render as tr
+    from tfsmp.timeline import render as tr
 
     lines = []
     chrome = args.chrome or (str(Path(args.out).with_suffix(".json")) if args.out else None)

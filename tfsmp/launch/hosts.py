@@ -8,7 +8,7 @@ Example::
     default_interface(hosts)                          # "eth0": the route to algo-2 goes there
 
 [Note: remote environment] mpirun starts the ranks of another host through ssh, whose shell does
-not inherit the launcher's environment (multihost.md, "Pitfalls"): only `-x NAME` variables
+not inherit the launcher's environment (measured on emulated hosts, docs/multihost.md): only `-x NAME` variables
 (and Open MPI's own) arrive. So a multi-host `tfsmp run` exports the variables a rank needs:
 PATH, PYTHONPATH and LD_LIBRARY_PATH, tfsmp's and SageMaker's (TFSMP_*, SM_*), TensorFlow's
 thread and log settings (TF_*), and the root permission of Open MPI. The interpreter is given as

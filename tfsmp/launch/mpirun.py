@@ -8,7 +8,7 @@ Example::
     #  '--map-by', 'slot', '--tag-output', '-x', 'SM_HP_MP_PARAMETERS={"partitions": 2}',
     #  '/usr/bin/python3', '-m', 'mpi4py', 'train.py', '--epochs', '2']   (as root, on 2 cores)
 
-Facts about the Open MPI 5.0 wheel this encodes (measured, horovod.md §3-4): it rejects the
+Facts about the Open MPI 5.0 wheel this encodes (measured on this project's machines): it rejects the
 single-dash `-bind-to`/`-map-by` spellings that Open MPI 4 and the SageMaker toolkit used; as root
 it needs `--allow-run-as-root`; more ranks than cores need `--oversubscribe`; and `python -m
 mpi4py script.py` turns an unhandled exception on one rank into `MPI_Abort` of all ranks.

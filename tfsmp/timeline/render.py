@@ -44,16 +44,17 @@ __all__ = [
     "write_chrome_trace",
 ]
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "W")  # W: zero-bubble weight gradients ([Note: weight actions])
 RECEIVES = ("RECV_F", "RECV_B")
 KIND_LABELS = {
-    "F": "forward", "B": "backward", "SEND_F": "send", "SEND_B": "send",
+    "F": "forward", "B": "backward", "W": "weight gradient", "SEND_F": "send", "SEND_B": "send",
     "RECV_F": "receive (waiting)", "RECV_B": "receive (waiting)", "REDUCE": "reduction",
     "STEP": "optimizer", "idle": "idle",
 }
 _FUSED = "forward+backward (last stage, fused)"
 _COLOURS = {
-    "forward": "#8ecae6", "backward": "#219ebc", _FUSED: "#5fa8d3", "send": "#ffb703",
+    "forward": "#8ecae6", "backward": "#219ebc", _FUSED: "#5fa8d3", "weight gradient": "#126782",
+    "send": "#ffb703",
     "receive (waiting)": "#e76f51", "reduction": "#8338ec", "optimizer": "#2a9d8f",
     "idle": "#eeeeee",
 }
@@ -114,7 +115,7 @@ class StepStats:
 
 
 def spans_of(events: Iterable[Mapping[str, Any]]) -> list[Span]:
-    """Tracer event dicts (`tfsmp.runtime.timeline.load_events`) as spans, by start time.
+    """Tracer event dicts (`tfsmp.timeline.events.load_events`) as spans, by start time.
 
     Raises:
         ValueError: an event lacks one of rank, name, kind, start, end.
@@ -322,30 +323,35 @@ def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
 
     Args:
         steps: training steps from `training_steps` (leave out warm-up steps).
-        pipeline: the schedule the run used (``"interleaved"`` or ``"simple"``).
+        pipeline: the schedule the run used (``"interleaved"``, ``"simple"``, ``"zb-h1"`` or
+            ``"zb-v"``; the last two simulated with their W time and placement).
         virtual_stages: model chunks per rank of the run.
         links: the run's `StagePlan` (or `StageLinks`); None means a chain of stages.
 
     Returns:
-        ``{"ranks", "microbatches", "forward", "backward", "measured", "receive_wait",
+        ``{"ranks", "microbatches", "forward", "backward", "weight", "measured", "receive_wait",
         "predicted", "measured_bubble", "predicted_bubble"}``; fractions are of the step window.
 
     Raises:
         ValueError: ``steps`` is empty.
     """
-    from tfsmp.schedule import fuse_last_stage, generate, simulate
+    from tfsmp.schedule import Placement, fuse_last_stage, generate, simulate
 
     if not steps:
         raise ValueError("compare_with_simulator needs at least one training step. Received: none.")
     ranks = sorted(steps[0])
     forward, backward = stage_times(steps, "mean")
+    weight = _weight_times(steps, len(forward))
     m = sum(1 for s in steps[0][ranks[0]] if s.kind == "F" and s.stage == ranks[0])
+    # The simulator's backward_time is the whole backward: B and W where a stage has Ws.
     sim = simulate(fuse_last_stage(generate(pipeline, len(ranks), m, virtual_stages)),
-                   forward_time=forward, backward_time=backward, links=links)
+                   forward_time=forward, backward_time=[b + w for b, w in zip(backward, weight)],
+                   weight_time=weight, links=links,
+                   placement=Placement.for_pipeline(pipeline, len(ranks), virtual_stages))
     stats = [step_stats(step) for step in steps]
     return {
         "ranks": len(ranks), "microbatches": m, "pipeline": pipeline,
-        "forward": forward, "backward": backward,
+        "forward": forward, "backward": backward, "weight": weight,
         "measured": [statistics.median(st.idle_fraction(r) for st in stats) for r in ranks],
         "receive_wait": [statistics.median(st.receive_fraction(r) for st in stats) for r in ranks],
         "predicted": list(sim.rank_bubble_fraction),
@@ -354,3 +360,14 @@ def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
         "window": statistics.median(st.window for st in stats),
         "predicted_makespan": sim.makespan,
     }
+
+
+def _weight_times(steps: Sequence[Step], stages: int) -> list[float]:
+    """Mean seconds of one W per stage over ``steps``; 0 for a stage without W spans."""
+    times: dict[int, list[float]] = {}
+    for step in steps:
+        for spans in step.values():
+            for s in spans:
+                if s.kind == "W" and s.stage is not None:
+                    times.setdefault(s.stage, []).append(s.duration)
+    return [statistics.fmean(times[s]) if s in times else 0.0 for s in range(stages)]
