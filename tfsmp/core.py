@@ -44,7 +44,8 @@ __all__ = [
     "recv_from", "send", "shutdown", "size", "state", "tp_rank", "tp_size",
 ]
 
-# Environment a launcher sets before MPI starts: world size (horovod.md §3 table).
+# Environment a launcher sets before MPI starts: world size (Open MPI 5's mpirun sets
+# OMPI_COMM_WORLD_SIZE, MPICH's Hydra mpiexec PMI_SIZE).
 _SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _USER_TAG = 0
 
@@ -79,7 +80,7 @@ class State:
     Example::
 
         s = tfsmp.state()
-        s.topology.mp_group(s.rank), s.comm.pipeline.rank == s.stage
+        s.topology.mp_group(s.rank), s.comm.pipeline.rank == s.pipeline_rank
     """
 
     config: Config
@@ -89,7 +90,8 @@ class State:
     horovod: Any = None   # tfsmp.comm.horovod.HorovodReducer when config.horovod
 
     @property
-    def stage(self) -> int:
+    def pipeline_rank(self) -> int:
+        """This rank's place in its pipeline (SMP's mp_rank); it runs one or more stages."""
         return self.topology.stage_of(self.rank)
 
     @property
@@ -97,8 +99,9 @@ class State:
         return self.topology.data_rank_of(self.rank)
 
     def tag(self) -> str:
-        """The error tag `rank R | stage S`."""
-        return f"rank {self.rank} | stage {self.stage}"
+        """The error tag `rank R | stage S`: S is the pipeline rank (the tag's wording is
+        pinned by the failure and watchdog reports)."""
+        return f"rank {self.rank} | stage {self.pipeline_rank}"
 
 
 _STATE: State | None = None
@@ -290,8 +293,8 @@ def local_size() -> int:
 
 
 def mp_rank() -> int:
-    """Index in my model-parallel group, i.e. my stage (partition id)."""
-    return state().stage
+    """Index in my model-parallel group, i.e. my pipeline rank (SMP's partition id)."""
+    return state().pipeline_rank
 
 
 def mp_size() -> int:
@@ -300,7 +303,7 @@ def mp_size() -> int:
 
 
 def dp_rank() -> int:
-    """Index in my data-parallel group (the ranks holding my stage)."""
+    """Index in my data-parallel group (the ranks at my pipeline rank)."""
     return state().data_rank
 
 
@@ -311,7 +314,7 @@ def dp_size() -> int:
 
 def pp_rank() -> int:
     """Same as `mp_rank` (tfsmp has no tensor parallelism)."""
-    return state().stage
+    return state().pipeline_rank
 
 
 def pp_size() -> int:
@@ -342,7 +345,7 @@ def rdp_size() -> int:
 
 
 def get_mp_group() -> list[int]:
-    """Global ranks of my model-parallel group, ordered by stage."""
+    """Global ranks of my model-parallel group, ordered by pipeline rank."""
     s = state()
     return list(s.topology.mp_group(s.rank))
 
@@ -387,7 +390,7 @@ def _to_world(peer: int, rank_type: RankType) -> int:
     if rank_type is RankType.MP_RANK:
         return s.topology.rank_of(peer, s.data_rank)
     if rank_type is RankType.DP_RANK:
-        return s.topology.rank_of(s.stage, peer)
+        return s.topology.rank_of(s.pipeline_rank, peer)
     return peer
 
 

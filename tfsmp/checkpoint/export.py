@@ -9,11 +9,11 @@ Example::
     dm.save_model("/opt/ml/model")             # TF SavedModel, signatures["serving_default"]
 
 Writing, roughly: every rank records the Keras weights layout of the whole model (no reads,
-see [Note: Keras weights layout] in `keras_h5`); data rank 0 of each stage sends its arrays to
-world rank 0, which writes them as they arrive, so it never holds more than its own stage and
-one other rank's. Reading: each rank opens the file and reads only the datasets of the
-variables it holds. Loads requested before the model is partitioned are kept and applied by
-`apply_pending` right after partitioning, on every rank, before the first step.
+see [Note: Keras weights layout] in `keras_h5`); data rank 0 of each pipeline rank sends its
+stages' arrays to world rank 0, which writes them as they arrive, so it never holds more than
+its own stages' and one other rank's. Reading: each rank opens the file and reads only the
+datasets of the variables it holds. Loads requested before the model is partitioned are kept
+and applied by `apply_pending` right after partitioning, on every rank, before the first step.
 """
 
 from __future__ import annotations
@@ -106,18 +106,14 @@ def _layout(dm: Any) -> H5Layout:
 
 def _owners(dm: Any, layout: H5Layout) -> dict[int, int]:
     """``{entry index: world rank that sends it}``; entries absent are computed on rank 0."""
-    engine = dm._engine
-    if engine is None:
+    view = dm.rank_view
+    if view is None:
         return {}
-    from tfsmp.checkpoint.layout import Layout
-
-    table = Layout.of(dm)
-    topo = dm._state.topology
     out: dict[int, int] = {}
     for i, e in enumerate(layout.entries):
-        key = table.keys.get(id(e.value)) if isinstance(e.value, keras.Variable) else None
-        if key is not None and key in table.stage:
-            out[i] = topo.rank_of(table.stage[key] % engine.num_ranks, 0)
+        key = view.keys.get(id(e.value)) if isinstance(e.value, keras.Variable) else None
+        if key is not None and key in view.writer:
+            out[i] = view.writer[key]  # [Note: one writer per key] in tfsmp/runtime/view.py
     return out
 
 
@@ -175,7 +171,7 @@ def _collective_write(dm: Any, target: str, overwrite: bool,
     """Every rank: gathers the weights to world rank 0, which writes a temporary weights file
     and calls ``finish(weights_file, output_path)``; errors are raised on every rank."""
     world = _state(dm).comm.world
-    if dm._engine is None and has_pending(dm, weights_only=True):
+    if dm.rank_view is None and has_pending(dm, weights_only=True):
         raise CheckpointError(
             f"A model with a pending load_weights/restore can be saved once it is partitioned. "
             f"Received: save to {target!r} before the first step. Fix: run a step (or "
@@ -368,7 +364,7 @@ def load_weights(dm: Any, filepath: str, skip_mismatch: bool = False) -> None:
     """
     path = str(os.fspath(filepath))
     _check_weights_path(path)
-    if dm._engine is not None:
+    if dm.rank_view is not None:
         _load_now(dm, path, skip_mismatch)
         return
     done = _load_now(dm, path, skip_mismatch)
@@ -383,12 +379,11 @@ def _held_entries(dm: Any, layout: H5Layout, exclude: frozenset[int] = frozenset
     allocated one; less ``exclude`` (ids of variables loaded already)."""
     from tfsmp.graph.deferred import is_deferred
 
-    if dm._engine is None:
+    view = dm.rank_view
+    if view is None:
         return [(e, e.value) for e in layout.entries if isinstance(e.value, keras.Variable)
                 and not is_deferred(e.value) and id(e.value) not in exclude]
-    from tfsmp.checkpoint.layout import Layout
-
-    held = {id(v) for v in Layout.of(dm).held_variables().values()} - exclude
+    held = {id(v) for v in view.held_variables().values()} - exclude
     return [(e, e.value) for e in layout.entries
             if isinstance(e.value, keras.Variable) and id(e.value) in held]
 
@@ -483,7 +478,7 @@ def _standalone_copy(dm: Any, weights_file: str) -> keras.Model:
         keras_h5.write_keras_archive(keras_file, source, weights_file)
         return keras.saving.load_model(keras_file, compile=False)
     copy = _fresh_instance(source)
-    specs = dm._engine.traced.input_specs
+    specs = dm.rank_view.traced.input_specs
     inputs = [keras.Input(shape=tuple(s.shape)[1:], dtype=s.dtype) for s in specs]
     args = inputs[0] if len(inputs) == 1 else inputs
     functional = keras.Model(args, copy.call(args))

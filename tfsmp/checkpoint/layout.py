@@ -9,13 +9,9 @@ Example::
     slots, globals_ = optimizer_state(dm.optimizer, layout)
     slots[("d0/kernel", "momentum")]             # Adam's first moment of d0/kernel
 
-[Note: variable keys] A checkpoint key is ``<layer>/<weight>``: the name of the leaf layer that
-owns the variable (a layer whose ``variables`` contain it, else the first call that reads it),
-then the variable's path below that layer, or its name when its path does not start with the
-layer (a Dropout's seed-generator state is ``seed_generator_7/seed_generator_state``, a number
-from a process-wide counter; its key is ``dropout/seed_generator_state``). Keys repeat only in
-odd models; the second is suffixed ``#1`` and so on, in execution order. Keys depend only on the
-model, never on stages or ranks, so a checkpoint written under one partitioning reads under any.
+Keys are the runtime's: [Note: variable keys] in tfsmp/runtime/checkpoint_keys.py; which rank
+holds and writes each comes from the model's `RankView` ([Note: one writer per key] in
+tfsmp/runtime/view.py).
 
 [Note: slot keys] Keras 3 names an optimizer slot ``<model variable path with / -> _>_<slot>``
 (``add_variable_from_reference``), e.g. ``d0_kernel_momentum``. A slot is keyed by
@@ -31,46 +27,9 @@ from typing import Any
 import keras
 
 from tfsmp.errors import CheckpointError
+from tfsmp.runtime.checkpoint_keys import variable_keys
 
 __all__ = ["Layout", "optimizer_state", "variable_keys"]
-
-
-def _owner_layers(traced: Any) -> list[tuple[Any, str]]:
-    """(variable, owning leaf layer name) for every variable the traced calls read, each once."""
-    order: list[str] = []
-    for call in traced.calls:  # a tied copy's node keys its variables by its Keras layer
-        name = getattr(call, "keras_name", "") or call.layer_name
-        if name not in order:
-            order.append(name)
-    seen: set[int] = set()
-    out: list[tuple[Any, str]] = []
-    for name in order:  # first pass: the layer that owns it as a variable
-        layer = traced.layer(name)
-        if isinstance(layer, keras.layers.Layer):
-            for v in layer.variables:
-                if id(v) not in seen:
-                    seen.add(id(v))
-                    out.append((v, name))
-    for name in order:  # then variables only read (e.g. by a keras.ops call)
-        for v in traced.uses.get(name, ()):
-            if id(v) not in seen:
-                seen.add(id(v))
-                out.append((v, name))
-    return out
-
-
-def variable_keys(traced: Any) -> dict[int, str]:
-    """``{id(variable): key}`` for every variable of a traced model. See [Note: variable keys]."""
-    keys: dict[int, str] = {}
-    used: dict[str, int] = {}
-    for v, layer in _owner_layers(traced):
-        path = str(v.path)
-        rel = path[len(layer) + 1:] if path.startswith(layer + "/") else str(v.name)
-        key = f"{layer}/{rel}"
-        count = used.get(key, 0)
-        used[key] = count + 1
-        keys[id(v)] = key if count == 0 else f"{key}#{count}"
-    return keys
 
 
 @dataclass
@@ -85,25 +44,14 @@ class Layout:
 
     @classmethod
     def of(cls, dm: Any) -> Layout:
-        """The layout of a partitioned `DistributedModel` (its engine must exist)."""
-        engine = dm._engine
-        traced, plan = engine.traced, engine.plan
-        keys = variable_keys(traced)
-        variables: dict[str, Any] = {}
-        stage: dict[str, int] = {}
-        for s in range(plan.num_stages):
-            for v in traced.variables_of(plan.layers(s)):
-                key = keys[id(v)]
-                variables.setdefault(key, v)
-                # the lowest stage holding a variable writes it: one copy of a tied variable
-                # ([Note: tied copies] in tfsmp/graph/ir.py); restore reads it into every copy
-                stage.setdefault(key, s)
-        mine = {keys[id(v)] for s in engine.stages
-                for v in traced.variables_of(plan.layers(s))}
-        held = [k for k in variables if k in mine]
-        writer = engine.comm.data.rank == 0
-        writes = [k for k in held if writer and stage[k] % engine.num_ranks == engine.pipe_rank]
-        return cls(keys, variables, stage, held, writes)
+        """The layout of a partitioned `DistributedModel` (its `rank_view` must exist)."""
+        view = dm.rank_view
+        if view is None:
+            raise CheckpointError(
+                "A checkpoint layout needs the partitioned model. Received: a DistributedModel "
+                "that has not run a step yet. Fix: call model.partition(x) or run a step first.")
+        return cls(dict(view.keys), dict(view.variables), dict(view.key_stage),
+                   list(view.held), list(view.writes))
 
     def held_variables(self) -> dict[str, Any]:
         return {k: self.variables[k] for k in self.held}

@@ -12,8 +12,8 @@ Example::
 
 Unlike SMP (one TF checkpoint per ``mp_rank_<i>`` that restores only under the same
 partitioning), a checkpoint here is keyed by variable path ([Note: checkpoint layout] in
-`tfsmp.checkpoint.format`): written with p stages and d replicas, it restores into q stages and
-e replicas, each rank reading only its own variables.
+`tfsmp.checkpoint.format`): written with p pipeline ranks and d replicas, it restores into q
+pipeline ranks and e replicas (any number of stages), each rank reading only its own variables.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class CheckpointManager:
         from tfsmp.checkpoint import export
 
         dm = self._model
-        if dm._engine is not None:
+        if dm.rank_view is not None:
             return store.restore_state(dm, path, optimizer=self._optimizer, extras=self._extras)
         manifest, done = store.restore_unpartitioned(dm, path, extras=self._extras)
         weights = dm._source_model().weights  # none yet: a subclass is built at partitioning

@@ -25,7 +25,7 @@ import random
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -33,6 +33,9 @@ import numpy as np
 from tfsmp.checkpoint import format as fmt
 from tfsmp.checkpoint.layout import Layout, optimizer_state
 from tfsmp.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from tfsmp.runtime.view import RankView
 
 __all__ = ["last_read", "restore_state", "restore_unpartitioned", "save_state"]
 
@@ -77,13 +80,14 @@ def _try(errors: list[str], fn: Callable[[], Any]) -> Any:
     return None
 
 
-def _require_engine(dm: Any, what: str) -> Any:
-    if dm._engine is None:
+def _require_view(dm: Any, what: str) -> RankView:
+    view: RankView | None = dm.rank_view
+    if view is None:
         raise CheckpointError(
             f"{what} needs the partitioned model. Received: a DistributedModel that has not run "
             f"a step yet. Fix: call it after the first step (or after model.partition(x)); "
             f"CheckpointManager.restore and load_weights may be called earlier and apply then.")
-    return dm._engine
+    return view
 
 
 def rng_state() -> dict[str, Any]:
@@ -172,7 +176,7 @@ def _model_info(dm: Any) -> dict[str, Any]:
 def _manifest(dm: Any, name: str, parts: list[dict[str, dict[str, Any]]], optimizer: Any,
               steps: list[int | None], position: dict[str, Any] | None, layout: Layout
               ) -> dict[str, Any]:
-    engine, st = dm._engine, dm._state
+    view, st = dm.rank_view, dm._state
     merged: dict[str, dict[str, Any]] = {}
     for part in parts:
         for section, entries in part.items():
@@ -181,9 +185,9 @@ def _manifest(dm: Any, name: str, parts: list[dict[str, dict[str, Any]]], optimi
     step = max(known) if known else None
     return {
         "name": name, "step": step, "position": position, "created": time.time(),
-        "config": st.config.to_dict(), "plan": json.loads(engine.plan.to_json()),
+        "config": st.config.to_dict(), "plan": json.loads(view.plan.to_json()),
         "topology": {"world_size": st.topology.world_size, "partitions": st.topology.partitions,
-                     "placement": st.topology.placement, "dp_size": engine.dp_size},
+                     "placement": st.topology.placement, "dp_size": view.data_size},
         "stages": {k: layout.stage[k] for k in layout.variables},
         "model": _model_info(dm),
         "optimizer_info": None if optimizer is None else {
@@ -256,8 +260,7 @@ def save_state(dm: Any, root: str, name: str, *, optimizer: Any = None,
     Raises:
         CheckpointError: before the first step, or a rank could not write (on every rank).
     """
-    engine = _require_engine(dm, "Saving a checkpoint")
-    world = engine.comm.world
+    world = _require_view(dm, "Saving a checkpoint").groups.world
     layout, slots, globals_, extra = _tables(dm, optimizer, dict(extras or {}))
     built = optimizer is not None and optimizer.built
     steps = world.allgather_obj(int(_numpy(optimizer.iterations)) if built else None)
@@ -296,7 +299,7 @@ def _finish(dm: Any, root: str, name: str, tmp: str, parts: list[Any], failed: l
         final = os.path.join(root, name)
         fmt.commit(tmp, final)
         fmt.write_latest(root, name)
-        fmt.write_smp_markers(root, name, dm._engine.num_ranks)  # [Note: SMP layout markers]
+        fmt.write_smp_markers(root, name, dm.rank_view.pipeline_size)  # [Note: SMP layout markers]
         fmt.prune(root, prefix, max_to_keep, keep=final)
     except Exception as e:  # reported on every rank, not only here
         shutil.rmtree(tmp, ignore_errors=True)
@@ -397,8 +400,8 @@ def restore_state(dm: Any, path: str, *, optimizer: Any = None,
     Returns:
         The checkpoint's manifest (``position``, ``step``, ...).
     """
-    engine = _require_engine(dm, "Restoring a checkpoint")
-    world = engine.comm.world
+    view = _require_view(dm, "Restoring a checkpoint")
+    world = view.groups.world
     manifest = _read_manifest_everywhere(world, path)
     layout = Layout.of(dm)
     errors: list[str] = []
@@ -406,7 +409,7 @@ def restore_state(dm: Any, path: str, *, optimizer: Any = None,
     globals_: dict[str, Any] = {}
     if optimizer is not None:
         if not optimizer.built:  # slots must exist to receive their values
-            optimizer.build(engine.variables)
+            optimizer.build(view.trainable_variables)
         slots, globals_ = _try(errors, lambda: optimizer_state(optimizer, layout)) or ({}, {})
     if world.rank == 0:
         errors += _unexpected(manifest, layout, path)

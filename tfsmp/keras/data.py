@@ -1,6 +1,6 @@
 """Batches for `DistributedModel.fit`: the same global batches on every rank, each replica's share.
 
-[Note: identical batches] Every stage of a replica must see the same batch, and the replicas must
+[Note: identical batches] Every pipeline rank of a replica must see the same batch, and the replicas must
 split one global batch between them. NumPy inputs are therefore batched here, shuffled with a
 seed every rank agrees on (broadcast from rank 0); a `tf.data.Dataset`, generator or
 `keras.utils.PyDataset` is iterated as given, so it must yield the same batches on every rank
@@ -266,7 +266,7 @@ def _step_leaf(leaf: Any) -> bool:
 
 
 def check_step_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Every stage of a pipeline must get the same ``smp.step`` arguments: raises the same
+    """Every pipeline rank must get the same ``smp.step`` arguments: raises the same
     StepError on all of them otherwise. Every step, since a step's inputs come straight from
     the user's loop. Replicas are not compared (SMP scripts feed each its own shard).
     [Note: same batch on every rank]"""
@@ -275,6 +275,6 @@ def check_step_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     st = core.state()
     _STEP_CALLS[0] += 1
     leaves = [v for v in mbatch._leaves((args, kwargs)) if _step_leaf(v)]
-    tag = f"[rank {st.rank} | stage {st.topology.stage_of(st.rank)}]"
+    tag = f"[{st.tag()}]"
     check_same_batch(st.comm.pipeline, leaves, rank_tag=tag,
                      where=f"in smp.step call {_STEP_CALLS[0]}")

@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -47,6 +47,9 @@ from tfsmp.keras.data import (
 )
 from tfsmp.runtime import microbatch as mbatch
 
+if TYPE_CHECKING:
+    from tfsmp.runtime.view import RankView
+
 __all__ = ["DistributedModel", "deferred_init", "register_post_partition_hook"]
 
 _POST_PARTITION_HOOKS: list[Callable[[], Any]] = []
@@ -60,7 +63,7 @@ def register_post_partition_hook(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 @contextlib.contextmanager
 def deferred_init() -> Iterator[None]:
-    """Build a model inside this scope to allocate no weights until each rank takes its stage."""
+    """Build a model inside this scope to allocate no weights until each rank takes its stages."""
     from tfsmp.graph.deferred import deferred_scope
 
     with deferred_scope():
@@ -133,11 +136,12 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             engine = self._ensure_engine(tf.nest.map_structure(
                 lambda t: keras.KerasTensor(tuple(t.shape), dtype=t.dtype.name), x))
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
-        infos = [engine.traced.graph.tensors[k] for k in engine.traced.output_keys]
+        traced = engine.view.traced
+        infos = [traced.graph.tensors[k] for k in traced.output_keys]
         dims = [info.shape for info in infos]
         if any(d is None for shape in dims for d in shape):  # known only from x's shapes
             dims = [shape[1:] for shape in engine.output_shapes(x)]
-        return engine.traced.pack_outputs(
+        return traced.pack_outputs(
             [_dry_zeros(rows, d, info.dtype) for d, info in zip(dims, infos)])
 
     # -- the rank's own variables after partitioning -------------------------------------------
@@ -145,9 +149,10 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     @property
     def trainable_variables(self) -> list[Any]:
         """Before partitioning: all of them. After: this rank's stages' (its optimizer's)."""
-        if self._engine is None:
+        view = self.rank_view
+        if view is None:
             return list(super().trainable_variables)
-        return list(self._engine.variables)
+        return list(view.trainable_variables)
 
     @property
     def trainable_weights(self) -> list[Any]:
@@ -191,8 +196,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._loss_reduction = getattr(loss, "reduction", None) or "sum_over_batch_size"
         self._metrics_fn = None
         if self._engine is not None:
-            self._engine.optimizer = self.optimizer
-            self._engine._apply_fn = None
+            self._engine.set_optimizer(self.optimizer)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -204,8 +208,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         return core.state()
 
     def _rank_tag(self) -> str:
-        st = self._state
-        return f"[rank {st.rank} | stage {st.topology.stage_of(st.rank)}]"
+        return f"[{self._state.tag()}]"
 
     def _source_model(self) -> keras.Model:
         return self._wrapped if self._wrapped is not None else self
@@ -245,13 +248,30 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         return loss
 
     @property
+    def rank_view(self) -> RankView | None:
+        """This rank's view of the partitioned model (None before partitioning): its stages,
+        their variables by checkpoint key, the writer of each key, the groups
+        (tfsmp/runtime/view.py)."""
+        return None if self._engine is None else self._engine.view
+
+    def _view(self) -> RankView:
+        """The view, once partitioned (every caller runs after partitioning)."""
+        view = self.rank_view
+        if view is None:
+            raise StepError(
+                "This needs the partitioned model. Received: a DistributedModel that has not "
+                "run a step yet. Fix: call model.partition(x) or run a step first.")
+        return view
+
+    @property
     def plan(self) -> Any:
         """The `StagePlan` in use (None before first use)."""
-        return None if self._engine is None else self._engine.plan
+        view = self.rank_view
+        return None if view is None else view.plan
 
     def partition(self, sample_x: Any) -> Any:
         """Traces and partitions now (otherwise done at first use); returns the plan."""
-        return self._ensure_engine(sample_x).plan
+        return self._ensure_engine(sample_x).view.plan
 
     # -- training ------------------------------------------------------------------------------
 
@@ -283,34 +303,35 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
                 f"{self._rank_tag()} The loss needs targets. Received: y=None. Pass y to fit(), "
                 f"or yield (x, y) pairs from the dataset.")
         d, r = st.topology.dp_size, st.topology.data_rank_of(st.rank)
-        share = [replica_share(v, r, d, engine.m) if v is not None else None for v in (x, y, sw)]
+        m = st.config.microbatches
+        share = [replica_share(v, r, d, m) if v is not None else None for v in (x, y, sw)]
         result = engine.train_step(*share)
-        return self._step_logs(engine, result, share[1], share[2], mbatch.batch_size_of(x))
+        return self._step_logs(engine.view, result, share[1], share[2], mbatch.batch_size_of(x))
 
-    def _step_logs(self, engine: Any, result: Any, y: Any, sw: Any, global_batch: int
+    def _step_logs(self, view: RankView, result: Any, y: Any, sw: Any, global_batch: int
                    ) -> dict[str, float]:
         logs: dict[str, float] | None = None
-        if engine.is_last_rank:
+        if view.is_last_rank:
             order = sorted(result.losses)
             losses = [float(result.losses[i]) for i in order]
             batch_loss = float(np.sum(losses)) if self._loss_reduction == "sum" else float(np.mean(losses))
-            if engine.dp_size > 1:
-                batch_loss = engine.comm.data.allreduce_obj(batch_loss, "sum") / engine.dp_size
+            if view.data_size > 1:
+                batch_loss = view.groups.data.allreduce_obj(batch_loss, "sum") / view.data_size
             self._loss_sum += batch_loss * global_batch
             self._loss_count += global_batch
-            self._update_metrics(engine, result, y, sw)
-            logs = {"loss": self._loss_sum / max(self._loss_count, 1), **self._metric_results(engine)}
-        out: dict[str, float] = engine.comm.pipeline.bcast_obj(logs, root=engine.last_rank)
+            self._update_metrics(view, result, y, sw)
+            logs = {"loss": self._loss_sum / max(self._loss_count, 1), **self._metric_results(view)}
+        out: dict[str, float] = view.groups.pipeline.bcast_obj(logs, root=view.last_rank)
         return out
 
-    def _update_metrics(self, engine: Any, result: Any, y: Any, sw: Any) -> None:
+    def _update_metrics(self, view: RankView, result: Any, y: Any, sw: Any) -> None:
         metrics = getattr(self, "_compile_metrics", None)
         if metrics is None or y is None:
             return
         ys = mbatch.split(y, len(result.outputs))
         ws = mbatch.split(sw, len(result.outputs)) if sw is not None else [None] * len(ys)
         for i in sorted(result.outputs):
-            y_pred = engine.traced.pack_outputs(result.outputs[i])
+            y_pred = view.traced.pack_outputs(result.outputs[i])
             yi = tf.nest.map_structure(tf.convert_to_tensor, ys[i])
             wi = None if ws[i] is None else tf.nest.map_structure(tf.convert_to_tensor, ws[i])
             if self._metrics_fn is None:
@@ -331,15 +352,15 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             out.extend(compile_loss.metrics)
         return out
 
-    def _metric_results(self, engine: Any) -> dict[str, float]:
+    def _metric_results(self, view: RankView) -> dict[str, float]:
         metrics = self._logged_metrics()
         variables = [v for m in metrics for v in m.variables]
         saved = None
-        if engine.dp_size > 1:  # sum metric states over replicas, read, then restore local ones
+        if view.data_size > 1:  # sum metric states over replicas, read, then restore local ones
             saved = [v.numpy() for v in variables]
             for v in variables:
                 buf = np.array(v.numpy(), dtype=np.float64)
-                engine.comm.data.allreduce_(buf)
+                view.groups.data.allreduce_(buf)
                 v.assign(buf.astype(v.dtype))
         out: dict[str, float] = {}
         for m in metrics:
@@ -484,18 +505,19 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         else:
             share, d = x, 1
         result = engine.forward(share)
+        view = engine.view
         flat = None
-        if engine.is_last_rank:
+        if view.is_last_rank:
             parts = [[np.asarray(t) for t in result.outputs[i]] for i in sorted(result.outputs)]
             flat = [np.concatenate([p[j] for p in parts]) for j in range(len(parts[0]))]
             if d > 1:
-                gathered = engine.comm.data.allgather_obj(flat)
+                gathered = view.groups.data.allgather_obj(flat)
                 flat = [np.concatenate([g[j] for g in gathered]) for j in range(len(flat))]
-        return engine.comm.pipeline.bcast_obj(flat, root=engine.last_rank)
+        return view.groups.pipeline.bcast_obj(flat, root=view.last_rank)
 
     def _pipelined_call(self, inputs: Any) -> Any:
         flat = self._forward_batch(tf.nest.map_structure(np.asarray, inputs))
-        return self._engine.traced.pack_outputs([tf.convert_to_tensor(v) for v in flat])
+        return self._view().traced.pack_outputs([tf.convert_to_tensor(v) for v in flat])
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
                 steps: int | None = None, callbacks: Any = None) -> Any:
@@ -503,7 +525,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._state = self._runtime_state()
         source = BatchSource(x, None, None, batch_size=batch_size, steps_per_epoch=steps)
         chunks = [self._forward_batch(xb) for xb, _, _ in source.epoch(0)]
-        traced = self._engine.traced
+        traced = self._view().traced
         flat = [np.concatenate([c[j] for c in chunks]) for j in range(len(chunks[0]))]
         return traced.pack_outputs(flat)
 
@@ -518,8 +540,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         metrics = getattr(self, "_compile_metrics", None)
         for xb, yb, wb in self._agreed(source, 0):
             flat = self._forward_batch(xb)
-            engine = self._engine
-            y_pred = engine.traced.pack_outputs([tf.convert_to_tensor(v) for v in flat])
+            y_pred = self._view().traced.pack_outputs([tf.convert_to_tensor(v) for v in flat])
             yt = tf.nest.map_structure(tf.convert_to_tensor, yb)
             wt = None if wb is None else tf.nest.map_structure(tf.convert_to_tensor, wb)
             n = mbatch.batch_size_of(xb)
@@ -546,9 +567,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         return list(keras.Model.weights.fget(self))
 
     def _owned(self) -> set[int]:
-        engine = self._engine
-        names = {n for s in engine.stages for n in engine.plan.layers(s)}
-        mine = {id(v) for v in engine.traced.variables_of(names)}
+        mine = {id(v) for v in self._view().held_variables().values()}
         return {i for i, v in enumerate(self._all_variables()) if id(v) in mine}
 
     def get_weights(self) -> list[np.ndarray]:
@@ -559,7 +578,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         owned = self._owned()
         local = {i: variables[i].numpy() for i in owned}
         merged: dict[int, np.ndarray] = {}
-        for part in self._engine.comm.pipeline.allgather_obj(local):
+        for part in self._view().groups.pipeline.allgather_obj(local):
             merged.update(part)
         out: list[np.ndarray] = [merged[i] for i in range(len(variables))]
         return out
@@ -618,8 +637,8 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             self._source_model().summary(*args, **kwargs)
             return None
         print_fn = kwargs.get("print_fn") or print
-        plan = self._engine.plan
-        graph = self._engine.traced.graph
+        view = self._view()
+        plan, graph = view.plan, view.traced.graph
         width = max(len(n) for n in plan.stage_of)
         print_fn(f"DistributedModel '{self.name}': {plan.num_stages} stages ({plan.planner} plan, "
                  f"imbalance {plan.imbalance():.2f})")

@@ -20,7 +20,7 @@ back through the pipeline. Other ranks run the body only up to the model call (t
 inputs: preprocessing inside a step must therefore be deterministic), then their stage programs,
 keeping every microbatch's weight gradients. The last stage broadcasts what the body returned;
 each rank then puts its own weight gradients where the body returned ``tape.gradient(...,
-model.trainable_variables)``, since ``model.trainable_variables`` is the rank's own stage.
+model.trainable_variables)``, since ``model.trainable_variables`` are the rank's own stages'.
 
 Called inside an outer ``tf.function`` (as SMP's examples do), the step becomes one
 ``tf.py_function`` running the pipeline eagerly; a symbolic dry run of the body gives its
@@ -33,7 +33,7 @@ Gradients: ``tape.gradient`` of a tape opened in the body, or SMP's documented
 ``optimizer.get_gradients(loss, model.trainable_variables)`` ([Note: porting names] in
 `tfsmp.keras.porting`), which differentiates a tape tfsmp keeps around the body. With several
 data-parallel replicas and ``horovod: False``, each microbatch's weight gradients are averaged
-over the stage's replicas before the step returns (the reduction `fit` does); with ``horovod:
+over the pipeline rank's replicas before the step returns (the reduction `fit` does); with ``horovod:
 True`` the script reduces them itself (``hvd.allreduce(g.accumulate())``), as SMP required.
 """
 
@@ -336,12 +336,13 @@ class _Step:
         if not core.is_initialized():
             core.init()
         m = core.state().config.microbatches
-        check_step_inputs(args, kwargs)  # every stage got the same batch (tfsmp/keras/data.py)
+        check_step_inputs(args, kwargs)  # every pipeline rank got the same batch (tfsmp/keras/data.py)
         parts = _split_arguments(self.fn, args, kwargs, m, self.non_split, self.axes)
         captured = [self._capture(a, k) for a, k in parts]
         model = captured[0][1]
         inputs = [c for c, _ in captured]
         engine = model._ensure_engine(_model_input(*inputs[0]))
+        traced = engine.view.traced
         if self._trains is None:  # same data on every rank, so every rank decides alike
             self._trains = self._dry_run(parts[0][0], parts[0][1], model).trains
         results: dict[int, tuple[Any, list[Any] | None]] = {}
@@ -357,7 +358,7 @@ class _Step:
 
             def run_call(*_: Any, training: Any = None, **__: Any) -> Any:
                 _, outputs = prog.evaluate(stage_inputs, recv, training=bool(training))
-                return engine.traced.pack_outputs(outputs)
+                return traced.pack_outputs(outputs)
 
             ctx.run_call = run_call
             with _activate(ctx, own_tape=own_tape):
@@ -368,7 +369,7 @@ class _Step:
             results[i] = (out, _grad_list(ctx, out))
             return out
 
-        engine.run_step([engine.traced.pack_inputs(_model_input(*c)) for c in inputs], head,
+        engine.run_step([traced.pack_inputs(_model_input(*c)) for c in inputs], head,
                         train=bool(self._trains))
         return self._assemble(engine, results, m, metrics)
 
@@ -408,8 +409,9 @@ class _Step:
                   metrics: MetricSync) -> Any:
         """Every rank: the last stage's returned structure and metric state, with this rank's
         gradients (averaged over the data-parallel replicas unless Horovod does it)."""
+        view = engine.view
         template = None
-        if engine.is_last_rank:
+        if view.is_last_rank:
             first, grads = results[0]
             template = _template(first, grads)
             flats = [[_to_numpy(v) for v in _flat_without(results[i][0], results[i][1])]
@@ -417,10 +419,10 @@ class _Step:
             payload: Any = (template, flats, metrics.payload())
         else:
             payload = None
-        template, flats, state = engine.comm.pipeline.bcast_obj(payload, root=engine.last_rank)
-        metrics.apply(state, engine.is_last_rank)
+        template, flats, state = view.groups.pipeline.bcast_obj(payload, root=view.last_rank)
+        metrics.apply(state, view.is_last_rank)
         own = _own_gradients(engine, results, m) if _has_grads(template) else [[]] * m
-        if _has_grads(template) and engine.dp_size > 1 and not engine.config.horovod:
+        if _has_grads(template) and view.data_size > 1 and not view.horovod:
             own = _replica_mean(engine, own)
         per_mb = [_fill(template, [tf.convert_to_tensor(v) for v in flats[i]], own[i])
                   for i in range(m)]
@@ -626,29 +628,32 @@ def _mb_shape(shape: Any, m: int) -> Any:
 def _own_gradients(engine: Any, results: dict[int, tuple[Any, Any]], m: int) -> list[list[Any]]:
     """This rank's weight gradients per microbatch, in `model.trainable_variables` order."""
     out: list[list[Any]] = []
+    stages = engine.view.stages
+    collected = {stage.stage: engine.collected(stage.stage) for stage in stages}
     for i in range(m):
         grads: list[Any] = []
-        for s in engine.stages:
-            prog = engine.programs[s]
-            if prog.is_last:
+        for stage in stages:
+            trainable = list(stage.trainable.values())
+            if stage.is_last:
                 body_grads = results.get(i, (None, None))[1]
                 if body_grads is None:
                     raise StepError(
                         "A training step must return tape.gradient(loss, model.trainable_variables). "
                         "Received: no gradient list in what the step returned.")
                 flat = tf.nest.flatten(body_grads)
-                mine = flat[len(grads):len(grads) + len(prog.trainable)] if len(flat) >= len(
-                    grads) + len(prog.trainable) else flat[-len(prog.trainable):]
+                mine = flat[len(grads):len(grads) + len(trainable)] if len(flat) >= len(
+                    grads) + len(trainable) else flat[-len(trainable):]
                 grads.extend(g if g is not None else tf.zeros_like(v.value)
-                             for g, v in zip(mine, prog.trainable))
+                             for g, v in zip(mine, trainable))
             else:
-                grads.extend(prog.collected.get(i, [tf.zeros_like(v.value) for v in prog.trainable]))
+                grads.extend(collected[stage.stage].get(
+                    i, [tf.zeros_like(v.value) for v in trainable]))
         out.append(grads)
     return out
 
 
 def _replica_mean(engine: Any, grads: list[list[Any]]) -> list[list[Any]]:
-    """Each microbatch's weight gradients averaged over the stage's data-parallel replicas, in
+    """Each microbatch's weight gradients averaged over this pipeline rank's replicas, in
     one fused allreduce (``horovod: False``: [Note: how a step runs])."""
     flat = [tf.convert_to_tensor(g) for per_mb in grads for g in per_mb]
     reduced = engine.data_mean(flat)
