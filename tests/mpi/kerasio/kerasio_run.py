@@ -1,6 +1,10 @@
 """Runs a verbatim keras-io example (this folder) on every rank, with synthetic data; reports.
 
-    mpirun -np 2 python -m mpi4py kerasio_run.py NAME [--modes own,plain,parity,unseeded]
+    mpirun -np 2 python -m mpi4py kerasio_run.py NAME[=MODES] [NAME[=MODES] ...]
+        [--modes own,plain,parity,unseeded]
+
+Several examples run one after another in one launch (each TF process costs seconds to start);
+``NAME=own,plain`` gives that example its own modes, else ``--modes`` applies.
 
 The example's text is not edited beyond its `tfsmp.DistributedModel(...)` wrap: this harness
 provides what the test machine lacks, before the script runs. Downloads become small synthetic
@@ -18,8 +22,8 @@ Modes (each a fresh run of the whole script):
 - ``unseeded``: tfsmp with a different seed on every rank (what an unseeded script gets): the
   same-batch check must stop it.
 
-Every rank prints one line ``KERASIO {"rank", "example", "modes": {mode: {"fits": [history,
-...], "evals": [...], "error": str | None}}}``.
+Every rank prints one line per example ``KERASIO {"rank", "example", "modes": {mode: {"fits":
+[history, ...], "evals": [...], "error": str | None}}}``.
 """
 
 from __future__ import annotations
@@ -118,6 +122,9 @@ def _forda(sizes: tuple[int, int], original: Callable[..., Any]) -> Callable[...
     return loadtxt
 
 
+_LOADTXT = np.loadtxt  # restored before each example: only FordA's reads are synthetic
+
+
 def _install_stubs(spec: dict[str, Any]) -> None:
     import keras.src.datasets.cifar10 as src_cifar10
     import keras.src.datasets.imdb as src_imdb
@@ -131,8 +138,7 @@ def _install_stubs(spec: dict[str, Any]) -> None:
             for ns in (keras.datasets, tf.keras.datasets):
                 getattr(ns, key).load_data = fake
             src.load_data = fake
-    if "forda" in spec:
-        np.loadtxt = _forda(spec["forda"], np.loadtxt)
+    np.loadtxt = _forda(spec["forda"], _LOADTXT) if "forda" in spec else _LOADTXT
     for ns in (keras.utils, tf.keras.utils):
         ns.plot_model = lambda *a, **k: None
     sklearn = types.ModuleType("sklearn")
@@ -245,16 +251,25 @@ def _shared_dir() -> str:
     return str(world.bcast(path, root=0))
 
 
+def _example(text: str) -> tuple[str, str | None]:
+    """``NAME`` or ``NAME=MODES`` -> (name, modes or None)."""
+    name, _, modes = text.partition("=")
+    if name not in EXAMPLES:
+        raise SystemExit(f"example must be one of {sorted(EXAMPLES)}. Received: {name!r}")
+    return name, modes or None
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("name", choices=sorted(EXAMPLES))
+    parser.add_argument("examples", nargs="+", type=_example, metavar="NAME[=MODES]")
     parser.add_argument("--modes", default="own,plain,parity")
     args = parser.parse_args(argv)
-    _install_stubs(EXAMPLES[args.name])
-    shared = _shared_dir()
-    modes = {m: _run_mode(args.name, m, shared) for m in args.modes.split(",")}
-    print("KERASIO " + json.dumps({"rank": _world_rank(), "example": args.name, "modes": modes}),
-          flush=True)
+    for name, own_modes in args.examples:
+        _install_stubs(EXAMPLES[name])
+        shared = _shared_dir()
+        modes = {m: _run_mode(name, m, shared) for m in (own_modes or args.modes).split(",")}
+        print("KERASIO " + json.dumps({"rank": _world_rank(), "example": name, "modes": modes}),
+              flush=True)
     if tfsmp.is_initialized():
         tfsmp.shutdown()
 
