@@ -46,7 +46,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
 
 def _case(smp: Any, args: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]:
     from benchmarks import tfhelp
-    from tfsmp.runtime.timeline import Tracer
+    from tfsmp.timeline.events import Tracer
 
     width, depth, batch, steps = case["width"], case["depth"], case["batch"], args["steps"]
     x, y = tfhelp.make_data(batch * (steps + 1), width)

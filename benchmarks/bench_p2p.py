@@ -100,6 +100,7 @@ def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = N
 
     from tfsmp.partitioning.plan import Boundary, StagePlan
     from tfsmp.runtime import executor as runtime_executor
+    from tfsmp.runtime.hooks import StepMode
     from tfsmp.schedule.actions import Action, Op
 
     Executor = (executor_module or runtime_executor).Executor
@@ -125,7 +126,7 @@ def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = N
 
         def step(self) -> float:
             start = time.perf_counter()
-            self.run([MicroBatch({}, size=1) for _ in range(k)], train=True)
+            self.run([MicroBatch({}, size=1) for _ in range(k)], mode=StepMode(train=True))
             return time.perf_counter() - start
 
     return TransferOnly(actions, {}, plan, group, 2, k)

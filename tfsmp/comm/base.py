@@ -23,7 +23,7 @@ import numpy as np
 
 from tfsmp.errors import CommError
 
-__all__ = ["REDUCE_OPS", "Comm", "Group", "Request", "check_buffer", "waitall"]
+__all__ = ["REDUCE_OPS", "Comm", "Group", "Request", "check_buffer", "testall", "waitall"]
 
 # Op names accepted by `Group.allreduce_obj`, with the Python reduction the local backend uses.
 REDUCE_OPS: dict[str, Callable[[Any, Any], Any]] = {
@@ -169,3 +169,13 @@ def waitall(reqs: Sequence[Request]) -> None:
         return
     for req in reqs:
         req.wait()
+
+
+def testall(reqs: Sequence[Request]) -> bool:
+    """Whether every request completed, never blocking (MPI requests in one `Testall`)."""
+    if not reqs:
+        return True
+    batch = getattr(type(reqs[0]), "testall", None)
+    if batch is not None and all(type(r) is type(reqs[0]) for r in reqs):
+        return bool(batch(reqs))
+    return all([req.test() for req in reqs])  # a list: every request gets its test (progress)

@@ -47,6 +47,11 @@ class MpiRequest:
         """Completes many requests in one MPI call."""
         mpi().Request.Waitall([r.req for r in reqs])
 
+    @staticmethod
+    def testall(reqs: Sequence[MpiRequest]) -> bool:
+        """Whether all completed, in one MPI call (completed ones become null requests)."""
+        return bool(mpi().Request.Testall([r.req for r in reqs]))
+
 
 class MpiGroup(Group):
     """A `Group` over an mpi4py intracommunicator.

@@ -1,0 +1,132 @@
+"""One compiled training step for a pipeline of one stage and one microbatch.
+
+Example::
+
+    step = OneCallStep(program, variables, indices, optimizer, loss, rank_tag="[rank 0]")
+    result = step.run(microbatch, step_number=1, nonfinite="raise")
+
+[Note: one-call step] With one pipeline rank, one stage, one microbatch and one data-parallel
+replica there is nothing to schedule: no message, no accumulation over microbatches, no
+reduction. Going through the executor would still cost three compiled calls per step (the fused
+last stage writing the accumulators, their finiteness check, the optimizer reading them back),
+each a full pass over every gradient: about 5-8% of a Dense(1024)x8 step at batch 256
+(`benchmarks/bench_overhead.py`). Keras's own train function is one call: forward, loss,
+gradients and ``optimizer.apply``. This step is that call plus the finiteness check of
+[Note: consistent skips] (engine.py), folded into the same graph: the update runs under
+``tf.cond`` on the flag, so a non-finite step changes no variable, as the executor path's skip
+does. The gradients are exactly the fused last stage's (same loss, scale 1 = 1/(m*d), zeros for
+unconnected variables), so the result equals the executor path bit for bit.
+
+[Note: cheap finiteness] A sum is non-finite whenever one of its terms is (NaN propagates; an
+infinity gives an infinity or NaN), so a finite sum of every gradient proves them all finite in
+one streaming read without a boolean temporary. Only a non-finite sum, which large finite values
+could also cause by overflowing, pays for the exact element-wise test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from tfsmp.errors import StepError
+from tfsmp.runtime.executor import MicroBatch, StepResult
+
+__all__ = ["OneCallStep"]
+
+
+def _dense(g: Any) -> tf.Tensor:
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def _exactly_finite(grads: list[Any]) -> tf.Tensor:
+    flags = [tf.reduce_all(tf.math.is_finite(_dense(g))) for g in grads]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+def all_finite(grads: list[Any]) -> tf.Tensor:
+    """Whether every element of every gradient is finite ([Note: cheap finiteness])."""
+    if not grads:
+        return tf.constant(True)
+    total = tf.add_n([tf.cast(tf.reduce_sum(_dense(g)), tf.float32) for g in grads])
+    return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True),
+                   lambda: _exactly_finite(grads))
+
+
+class OneCallStep:
+    """A whole training step in one `tf.function` call. See [Note: one-call step]."""
+
+    def __init__(
+        self,
+        program: Any,
+        variables: list[Any],
+        indices: list[int],
+        optimizer: Any,
+        loss: Callable[..., tf.Tensor],
+        *,
+        rank_tag: str,
+        relax_shapes: bool = False,
+    ) -> None:
+        """``variables[j]`` is ``program.trainable[indices[j]]`` (the optimizer's order)."""
+        self.program = program
+        self.variables = variables
+        self.indices = indices
+        self.optimizer = optimizer
+        self.loss = loss
+        self.rank_tag = rank_tag
+        self._fn = tf.function(self._step_fn, reduce_retracing=relax_shapes)
+
+    def _forward(self, inputs: list[tf.Tensor]) -> list[tf.Tensor]:
+        prog = self.program
+        env: dict[str, Any] = dict(zip(prog.input_keys, inputs))
+        for call in prog.calls:
+            call.run(env, training=True)
+        return [env[k] for k in prog.output_keys]
+
+    def _step_fn(self, inputs: list[tf.Tensor], y: Any, sample_weight: Any
+                 ) -> tuple[tf.Tensor, list[tf.Tensor], tf.Tensor, tf.Tensor]:
+        trainable = self.program.trainable
+        with tf.GradientTape() as tape:
+            outputs = self._forward(inputs)
+            loss = self.loss(y, self.program.traced.pack_outputs(outputs), sample_weight)
+            scaled = tf.cast(loss, tf.float32)  # times the scale 1/(m*d) = 1
+        grads = tape.gradient(scaled, [v.value for v in trainable],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        ordered = [grads[i] for i in self.indices]
+        loss_ok = tf.reduce_all(tf.math.is_finite(loss))
+        grads_ok = all_finite(ordered)
+
+        def apply() -> tf.Tensor:
+            self.optimizer.apply(ordered, self.variables)
+            return tf.constant(True)
+
+        tf.cond(tf.logical_and(loss_ok, grads_ok), apply, lambda: tf.constant(False))
+        return loss, outputs, loss_ok, grads_ok
+
+    def run(self, mb: MicroBatch, *, step_number: int, nonfinite: str,
+            tracer: Any = None) -> tuple[StepResult, bool]:
+        """Runs the step; returns its result and whether the update was applied.
+
+        Raises:
+            StepError: non-finite loss or gradients with ``nonfinite="raise"`` (no variable
+                changed), worded as the executor path's [Note: consistent skips].
+        """
+        inputs = [mb.inputs[k] for k in self.program.input_keys]
+        if tracer is None:
+            loss, outputs, loss_ok, grads_ok = self._fn(inputs, mb.y, mb.sample_weight)
+        else:  # one span: the compiled call holds forward, backward and the optimizer step
+            with tracer.event(f"{self.program.stage}F0", "F"):
+                loss, outputs, loss_ok, grads_ok = self._fn(inputs, mb.y, mb.sample_weight)
+            with tracer.event(f"{self.program.stage}STEP", "STEP"):
+                pass
+        result = StepResult(losses={0: loss}, outputs={0: list(outputs)})
+        loss_ok, grads_ok = bool(loss_ok), bool(grads_ok)
+        if (loss_ok and grads_ok) or nonfinite == "skip":
+            return result, loss_ok and grads_ok
+        where = "no stage" if grads_ok else f"stage {self.program.stage} from microbatch 0"
+        raise StepError(
+            f"{self.rank_tag} Non-finite values at step {step_number}: loss of microbatch(es) "
+            f"{'none' if loss_ok else [0]} on the last stage; gradients of {where}. "
+            f"Lower the learning rate, check the data, or set nonfinite='skip' to skip such "
+            f"updates on every rank.")
