@@ -1,7 +1,7 @@
 """Benchmark 6, bubble: measured idle share per rank vs the schedule simulator's prediction.
 
 Two ranks train the benchmark-2 model with the timeline tracer on (`trace_dir`). From the
-trace ([Note: measured idle] in `tfsmp.runtime.timeline_render`): per step, the window from the
+trace ([Note: measured idle] in `tfsmp.timeline.render`): per step, the window from the
 first action of any rank to the last forward/backward of any rank, and per rank the share of that
 window not spent in forward/backward (receive waits plus everything else). The prediction is
 `tfsmp.schedule.simulate` of the same schedule, fed the measured median forward and backward time
@@ -38,7 +38,8 @@ GOAL = 0.03  # |measured − predicted| idle share, per rank
 
 
 def settings(quick: bool) -> dict[str, Any]:
-    configs = [{"pipeline": "interleaved", "m": 8, "v": 1}, {"pipeline": "simple", "m": 8, "v": 1}]
+    configs = [{"pipeline": "interleaved", "m": 8, "v": 1}, {"pipeline": "zb-h1", "m": 8, "v": 1},
+               {"pipeline": "simple", "m": 8, "v": 1}]
     if not quick:
         configs += [{"pipeline": "interleaved", "m": 4, "v": 1},
                     {"pipeline": "interleaved", "m": 16, "v": 1},
@@ -154,8 +155,8 @@ def _config(args: dict[str, Any], config: dict[str, Any], baseline: Any, x: Any,
 
 def _analyse(args: dict[str, Any], config: dict[str, Any], trace_dir: str,
              keras_steps: list[float], fit_steps: list[float], plan: Any) -> dict[str, Any]:
-    from tfsmp.runtime import timeline_render as tr
-    from tfsmp.runtime.timeline import load_events
+    from tfsmp.timeline import render as tr
+    from tfsmp.timeline.events import load_events
 
     events = load_events(trace_dir)
     steps = tr.training_steps(events)[2:]  # the first two are warm-up steps
@@ -165,29 +166,34 @@ def _analyse(args: dict[str, Any], config: dict[str, Any], trace_dir: str,
               "keras_step": median(keras_steps), "fit_step": median(fit_steps),
               "breakdown": breakdown(2, config["m"], median(keras_steps), median(fit_steps),
                                      cmp["window"], busy)}
-    if config == {"pipeline": "interleaved", "m": 8, "v": 1}:
-        result["pictures"] = _pictures(args, steps, cmp, events, plan)
+    if config["m"] == 8 and config["v"] == 1 and config["pipeline"] in ("interleaved", "zb-h1"):
+        result["pictures"] = _pictures(args, steps, cmp, events, plan, config["pipeline"])
     return result
 
 
 def _pictures(args: dict[str, Any], steps: list[Any], cmp: dict[str, Any], events: Any,
-              plan: Any) -> list[str]:
-    from tfsmp.runtime import timeline_render as tr
-    from tfsmp.schedule import generate, render_timeline, simulate
+              plan: Any, pipeline: str) -> list[str]:
+    from tfsmp.schedule import fuse_last_stage, generate, render_timeline, simulate
+    from tfsmp.timeline import render as tr
 
     out = Path(args["pictures"])
+    suffix = "" if pipeline == "interleaved" else "_" + pipeline.replace("-", "")
+    name = "interleaved (1F1B)" if pipeline == "interleaved" else pipeline
     measured = tr.render_gantt(
-        steps[-1:], out / "timeline_measured.png",
-        title=f"measured: 2 ranks, interleaved (1F1B), m = 8, one step; idle "
+        steps[-1:], out / f"timeline_measured{suffix}.png",
+        title=f"measured: 2 ranks, {name}, m = 8, one step; idle "
               f"{cmp['measured'][0]:.3f} / {cmp['measured'][1]:.3f} (rank 0 / 1)")
-    sim = simulate(generate("interleaved", 2, 8), forward_time=cmp["forward"],
-                   backward_time=cmp["backward"], links=plan)
+    weight = cmp.get("weight") or [0.0] * len(cmp["forward"])
+    sim = simulate(fuse_last_stage(generate(pipeline, 2, 8)), forward_time=cmp["forward"],
+                   backward_time=[b + w for b, w in zip(cmp["backward"], weight)],
+                   weight_time=weight, links=plan)
     simulated = render_timeline(
-        sim, out / "timeline_simulated.png",
+        sim, out / f"timeline_simulated{suffix}.png",
         title=f"simulated with the measured stage times: idle "
               f"{sim.rank_bubble_fraction[0]:.3f} / {sim.rank_bubble_fraction[1]:.3f} (rank 0 / 1)")
+    chrome_path = args["chrome"] if not suffix else args["chrome"].replace(".json", f"{suffix}.json")
     chrome = tr.write_chrome_trace([s for step in steps[-2:] for spans in step.values()
-                                    for s in spans], args["chrome"])
+                                    for s in spans], chrome_path)
     return [str(measured), str(simulated), str(chrome)]
 
 
@@ -197,11 +203,14 @@ def summarize(result: dict[str, Any]) -> list[str]:
     lines = [f"Model Dense({s['width']})×{s['depth']}, batch {s['batch']}, optimize={s['optimize']}, "
              f"{s['optimizer']}, 2 ranks × 1 thread, tracer on; {s['rounds']} traced "
              f"`train_on_batch` steps per config, alternating with plain-Keras steps; idle = "
-             f"share of the step window outside F/B.", "",
-             "| pipeline | m | v | F / B per stage (ms) | measured idle r0 / r1 | of which receive wait | predicted idle r0 / r1 | largest gap (points) |",
+             f"share of the step window outside F/B/W (zb-h1: B = input gradients, W = weight "
+             f"gradients; the last stage's F column is its fused forward+loss+B).", "",
+             "| pipeline | m | v | F / B (/ W) per stage (ms) | measured idle r0 / r1 | of which receive wait | predicted idle r0 / r1 | largest gap (points) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        fb = ", ".join(f"{1e3 * f:.0f}/{1e3 * b:.0f}" for f, b in zip(r["forward"], r["backward"]))
+        ws = r.get("weight") or [0.0] * len(r["forward"])
+        fb = ", ".join(f"{1e3 * f:.0f}/{1e3 * b:.0f}" + (f"/{1e3 * w:.0f}" if any(ws) else "")
+                       for f, b, w in zip(r["forward"], r["backward"], ws))
         delta = max(abs(a - b) for a, b in zip(r["measured"], r["predicted"]))
         lines.append(f"| {r['pipeline']} | {r['m']} | {r['v']} | {fb} | "
                      f"{r['measured'][0]:.3f} / {r['measured'][1]:.3f} | "

@@ -104,9 +104,14 @@ class Config:
         return 0.2 if self.optimize == "speed" else 0.8
 
     @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: `virtual_stages`, and always 2 for ``zb-v``."""
+        return 2 if self.pipeline == "zb-v" else self.virtual_stages
+
+    @property
     def num_stages(self) -> int:
-        """Pipeline stages of one replica: partitions × virtual_stages."""
-        return self.partitions * self.virtual_stages
+        """Pipeline stages (model chunks) of one replica: partitions × chunks."""
+        return self.partitions * self.chunks
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,8 @@ _CHOICE_HINTS: dict[str, dict[str, str]] = {
     "pipeline": {"gpipe": "simple", "1f1b": "interleaved", "_only_forward": "",
                  "interleaved1f1b": "interleaved"},
     # Letter forms list the most distant axis first; the right-most varies fastest over ranks.
-    # Without tensor parallelism only the order of D and P matters (§1.4 of smp_tf_api.md).
+    # Without tensor parallelism only the order of D and P matters (SMP's placement_strategy
+    # documentation: "cluster" is DP-major, "spread" PD-major).
     "placement_strategy": {"dp": "cluster", "dpt": "cluster", "dtp": "cluster", "tdp": "cluster",
                            "pd": "spread", "ptd": "spread", "tpd": "spread", "pdt": "spread"},
 }
@@ -248,10 +254,14 @@ _PARAMS: list[Param] = [
     Param("microbatches", "int", 1, ">= 1", sdk=True, check=_positive_int, help=(
         "Microbatches each batch is split into (1 = no pipelining). The batch size must be "
         "divisible by it.")),
-    Param("pipeline", "str", "interleaved", "interleaved, simple", sdk=True,
-          choices=("interleaved", "simple"), check=_choice("simple", "interleaved"), help=(
+    Param("pipeline", "str", "interleaved", "interleaved, simple, zb-h1, zb-v", sdk=True,
+          choices=("interleaved", "simple", "zb-h1", "zb-v"),
+          check=_choice("simple", "interleaved", "zb-h1", "zb-v"), help=(
               "Schedule. interleaved: a backward pass runs as soon as it can (1F1B); simple: all "
-              "forward passes, then all backward passes (GPipe).")),
+              "forward passes, then all backward passes (GPipe); zb-h1: zero-bubble 1F1B, each "
+              "backward split into input gradients (B) and weight gradients (W) that fill the "
+              "bubbles, with 1F1B's peak memory; zb-v: zero-bubble with 2 model chunks per rank "
+              "in a V (the first and the last chunk on rank 0). Not in SMP.")),
     Param("optimize", "str", "memory", "speed, memory", sdk=True, choices=("speed", "memory"),
           check=_choice("speed", "memory"), help=(
               "speed: balance compute across stages, keep activations between forward and backward; "
@@ -288,7 +298,7 @@ _PARAMS: list[Param] = [
     Param("virtual_stages", "int", 1, ">= 1", sdk=False, check=_positive_int, help=(
         "Model chunks per pipeline rank (Megatron interleaving): num_stages = partitions x "
         "virtual_stages, which divides the bubble by about virtual_stages for more messages. "
-        "> 1 needs pipeline=interleaved.")),
+        "> 1 needs pipeline=interleaved; zb-v always runs 2.")),
     Param("stall_timeout", "float", 600.0, ">= 0 (seconds)", sdk=False, check=_seconds, help=(
         "Seconds a rank may wait for a pipeline message before the watchdog aborts the job with a "
         "report of what every rank waits for. 0 disables the watchdog.")),
@@ -360,7 +370,12 @@ def _check_relations(cfg: Config) -> None:
             "default_partition must be less than the number of partitions! Received: "
             f"default_partition={cfg.default_partition}, partitions={cfg.partitions}. Partitions "
             f"are numbered 0..{cfg.partitions - 1}.")
-    if cfg.virtual_stages > 1 and cfg.pipeline != "interleaved":
+    if cfg.pipeline == "zb-v" and cfg.virtual_stages not in (1, 2):
+        raise ConfigError(
+            "pipeline='zb-v' runs 2 model chunks per rank. Received: "
+            f"virtual_stages={cfg.virtual_stages}, pipeline='zb-v'. Leave virtual_stages unset "
+            "(or 2) with zb-v, or use pipeline='interleaved' for other chunk counts.")
+    if cfg.virtual_stages > 1 and cfg.pipeline not in ("interleaved", "zb-v"):
         raise ConfigError(
             "virtual_stages > 1 needs pipeline='interleaved' (Megatron-style interleaving). "
             f"Received: virtual_stages={cfg.virtual_stages}, pipeline={cfg.pipeline!r}. Set "

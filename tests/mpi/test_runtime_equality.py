@@ -4,7 +4,8 @@ Each launch runs many configurations (`tests/mpi/scripts/runtime_cases.py` re-in
 per case). Models: an MLP, a residual CNN whose skip crosses a stage cut, a multi-input /
 multi-output model, a model with a layer used twice, a small Transformer, and an embedding model
 whose sparse gradients go through Adam. Stages p ∈ {1, 2, 4}, microbatches m ∈ {1, 2, 4, 8},
-both pipelines, both `optimize` modes, 1 or 2 virtual stages per rank, data-parallel degree
+every pipeline (simple, interleaved, zb-h1, zb-v), both `optimize` modes, 1 or 2 virtual
+stages per rank, data-parallel degree
 1, 2 and 4 (MPI and Horovod). Tolerance: rtol 1e-5, atol 1e-6 (float32).
 """
 
@@ -35,6 +36,10 @@ TWO_RANKS = [
     # forward's masks, so speed and memory training are bit-identical.
     "bn:2:1:interleaved:speed", "bn:2:1:simple:memory",
     "drop:2:1:interleaved:speed", "drop:2:1:simple:memory", "dropmodes:2:4",
+    # zero-bubble: backward split into B (input gradients) and W (weight gradients)
+    "mlp:2:4:zb-h1:speed", "mlp:2:8:zb-h1:memory:adam", "transformer:2:4:zb-h1:speed",
+    "shared:2:4:zb-h1:memory", "embed:2:4:zb-h1:speed:adam", "bn:2:1:zb-h1:memory",
+    "multiio:2:4:zb-v:speed", "rescnn:2:4:zb-v:memory", "transformer:2:8:zb-v:speed",
 ]
 
 FOUR_RANKS = [
@@ -43,11 +48,13 @@ FOUR_RANKS = [
     "transformer:4:8:interleaved:speed",
     "mlp:2:4:interleaved:speed", "transformer:2:4:simple:memory",  # p=2, d=2 over MPI
     "mlp:1:4:simple:speed",                                          # p=1, d=4
+    "mlp:4:8:zb-h1:speed", "transformer:4:4:zb-h1:memory", "mlp:4:8:zb-v:memory",
+    "mlp:2:4:zb-h1:memory",                                          # zb-h1, d=2
 ]
 
 FOUR_RANKS_HOROVOD = [
     "mlp:2:4:simple:memory:horovod", "rescnn:2:4:interleaved:speed:horovod",
-    "embed:2:4:interleaved:speed:adam,horovod",
+    "embed:2:4:interleaved:speed:adam,horovod", "mlp:2:4:zb-h1:speed:horovod",
 ]
 
 
@@ -74,7 +81,26 @@ def _check(results: dict[str, dict[int, dict]], cases: list[str], np: int) -> No
                                 f"{d.get('error') or ''}")
             else:  # each rank holds exactly its stages' variables
                 assert d["held_bytes"] == d["plan_bytes"], (case, rank, d)
+                _check_zero_bubble(case, rank, d)
+        if _pipeline(case).startswith("zb") and all(d["ok"] for d in ranks.values()):
+            assert sum(d["deferred"] for d in ranks.values()) > 0, (case, ranks)
     assert not failures, "\n".join(failures)
+
+
+def _pipeline(case: str) -> str:
+    parts = case.split(":")
+    return parts[3] if len(parts) > 3 else ""  # "dropmodes:2:4" names no pipeline
+
+
+def _check_zero_bubble(case: str, rank: int, d: dict) -> None:
+    """zb-*: a rank holds at most 1F1B's peak: p microbatches (zb-v: 2p half-size chunks).
+    (`_check` also asserts that some rank deferred Dense weight gradients to W, so that B and
+    W really ran apart; a rank of only convolutions defers none.)"""
+    if not _pipeline(case).startswith("zb"):
+        return
+    _, p, m, pipeline = case.split(":")[:4]
+    limit = min(int(p), int(m)) * (2 if pipeline == "zb-v" else 1)
+    assert d["max_held"] <= limit, (case, rank, d["max_held"], limit)
 
 
 @pytest.mark.timeout(600)

@@ -155,7 +155,8 @@ CATALOGUE: dict[str, Bad] = {
     "estimator_bad_distribution": Bad(_estimator(distribution=_mp({"partitions": 2,
                                                                    "pipeline": "1f1b"})),
                                       ConfigError, r"^pipeline must be a value in: \['simple', "
-                                      r"'interleaved'\]\. Received: pipeline='1f1b'\. '1f1b' is "
+                                      r"'interleaved', 'zb-h1', 'zb-v'\]\. Received: "
+                                      r"pipeline='1f1b'\. '1f1b' is "
                                       r"what tfsmp calls 'interleaved'"),
     "estimator_mp_without_mpi": Bad(_estimator(distribution={"smdistributed": MP["smdistributed"]}),
                                     ConfigError, r"^modelparallel needs MPI"),
@@ -169,7 +170,7 @@ CATALOGUE: dict[str, Bad] = {
         r"mpi\.processes_per_host\."),
     # -- schedules -----------------------------------------------------------------------------
     "schedule_unknown_pipeline": Bad(lambda tmp: generate("gpipe", 2, 4), ScheduleError,
-                                     r"^pipeline must be one of \['simple', 'interleaved'\]\. "
+                                     r"^pipeline must be one of \['simple', 'interleaved', 'zb-h1', 'zb-v'\]\. "
                                      r"Received: pipeline='gpipe'"),
     "schedule_zero_microbatches": Bad(lambda tmp: generate("interleaved", 2, 0), ScheduleError,
                                       r"^num_microbatches must be a positive integer\. Received: "
@@ -179,7 +180,7 @@ CATALOGUE: dict[str, Bad] = {
         ScheduleError, r"^The plan and the schedule must have the same number of stages\. "
         r"Received: plan\.num_stages=3, schedule stages=2\."),
     "schedule_lowered_twice": Bad(lambda tmp: lower(lower(generate("simple", 2, 2))),
-                                  ScheduleError, r"^lower\(\) takes compute actions \(F/B\) only\."),
+                                  ScheduleError, r"^lower\(\) takes compute actions \(F/B/W\) only\."),
     "schedule_text": Bad(lambda tmp: parse_schedule("0: 0F0 0X1"), ScheduleError,
                          r"^An action reads like '1F3'"),
     "schedule_times_per_stage": Bad(lambda tmp: simulate(generate("simple", 2, 2),

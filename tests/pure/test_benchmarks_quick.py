@@ -154,7 +154,7 @@ def test_tables_and_verdicts_render_from_a_worker_shaped_result(name: str) -> No
     assert mod.verdict(result)
 
 
-@pytest.mark.parametrize(("name", "word"), [("overhead", "met"), ("speedup", "missed by 0.02"),
+@pytest.mark.parametrize(("name", "word"), [("overhead", "met"), ("speedup", "1F1B at m = 8: met"),
                                             ("memory", "state met"), ("p2p", "missed by 0.100"),
                                             ("bubble", "met")])
 def test_verdicts_say_met_or_by_how_much_a_goal_was_missed(name: str, word: str) -> None:

@@ -22,6 +22,7 @@ from tfsmp.graph.tracer import trace
 from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime.dynamic_shapes import BoundaryShapes, ShapeResolver
 from tfsmp.runtime.executor import Executor, MicroBatch
+from tfsmp.runtime.hooks import StepMode
 from tfsmp.schedule.actions import Action, Op
 from tfsmp.topology import Topology
 
@@ -141,7 +142,7 @@ class _DynamicTransfer(Executor):
 
     def step(self, length: int) -> dict[int, tf.Tensor]:
         self.lengths.length, self.got = length, {}
-        self.run([MicroBatch({}, size=1) for _ in range(K)], train=True)
+        self.run([MicroBatch({}, size=1) for _ in range(K)], mode=StepMode())
         return self.got
 
 

@@ -19,6 +19,7 @@ import tensorflow as tf
 from tfsmp.comm.local import create_local_comms
 from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime.executor import Executor, MicroBatch, aligned_empty, as_tensor
+from tfsmp.runtime.hooks import StepMode
 from tfsmp.schedule.actions import Action, Op
 from tfsmp.topology import Topology
 
@@ -56,7 +57,7 @@ class _Transfer(Executor):
 
     def step(self) -> dict[int, tf.Tensor]:
         self.got = {}
-        self.run([MicroBatch({}, size=1) for _ in range(K)], train=True)
+        self.run([MicroBatch({}, size=1) for _ in range(K)], mode=StepMode())
         self.step_no += 1
         return self.got
 

@@ -2,14 +2,16 @@
 
 Example::
 
-    engine = Engine(traced, config, state, loss=loss_fn, optimizer=opt)
+    engine = Engine(traced, plan, schedule, config=config, comm=comm, rank_tag="[rank 0]",
+                    loss=loss_fn, optimizer=opt)       # usually built by runtime.setup
     result = engine.train_step(x, y, sample_weight)   # one optimizer step over the local batch
     outputs = engine.forward(x)                        # pipelined inference, outputs on the last stage
 
-Roughly, for a training step on rank r (stages S_r = {s : s mod p = r}):
-    split batch into m microbatches -> run the lowered schedule (F/B/sends/receives)
-    -> REDUCE: sum each stage's gradient accumulators over its data-parallel replicas
-    -> STEP: optimizer.apply(accumulators, variables of S_r); the next step's first
+Roughly, for a training step on rank r (stages S_r = placement.stages(r): s mod p, or ZB-V's V):
+    split batch into m microbatches -> the executor runs the lowered schedule (F/B/W/sends/
+    receives) and calls this engine as its `StepHooks` ([Note: one driver] in hooks.py):
+    -> reduce(s, result): sum stage s's gradient accumulators over its data-parallel replicas
+    -> apply(result): optimizer.apply(accumulators, variables of S_r); the next step's first
              microbatch overwrites the accumulators (stage.py, [Note: fresh accumulators])
 Each microbatch loss is scaled by 1/(m·d), so the accumulated sum is the gradient of the mean
 loss over the global batch.
@@ -18,12 +20,14 @@ loss over the global batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from tfsmp.comm.horovod import HorovodReducer
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.runtime import microbatch as mbatch
@@ -38,19 +42,23 @@ from tfsmp.runtime.executor import (
     held,
     host_view,
 )
-from tfsmp.runtime.stage import StageProgram
+from tfsmp.runtime.fused_step import OneCallStep
+from tfsmp.runtime.hooks import StageResult, StepMode
+from tfsmp.runtime.stage import StageProgram, concat_sparse
 from tfsmp.runtime.ties import TiedCopies
+from tfsmp.runtime.view import RankView
 from tfsmp.schedule.actions import Action, Op
+from tfsmp.schedule.placement import Placement
 
 __all__ = ["Engine", "forward_only_schedule"]
 
 
-def forward_only_schedule(plan: StagePlan, num_ranks: int, rank: int, num_microbatches: int
+def forward_only_schedule(plan: StagePlan, placement: Placement, rank: int, num_microbatches: int
                           ) -> list[Action]:
     """Inference actions of one rank: per microbatch, its stages in order, each with its
     receives before and sends after. Acyclic stage order means it cannot deadlock."""
     out: list[Action] = []
-    stages = [s for s in range(plan.num_stages) if s % num_ranks == rank]
+    stages = placement.stages(rank)
     for i in range(num_microbatches):
         for s in stages:
             out.extend(Action(s, Op.RECV_F, i, q) for q in plan.peers_backward(s))
@@ -75,6 +83,7 @@ class Engine:
         optimizer: Any,
         loss_reduction: str = "sum_over_batch_size",
         tracer: Any = None,
+        horovod: HorovodReducer | None = None,
     ) -> None:
         self.traced = traced
         self.plan = plan
@@ -87,41 +96,46 @@ class Engine:
         self.m = config.microbatches
         # [Note: dynamic boundaries] in tfsmp/runtime/dynamic_shapes.py; None: all static
         self.boundary_shapes = BoundaryShapes.for_plan(traced, plan)
-        self.stages = [s for s in range(plan.num_stages) if s % self.num_ranks == self.pipe_rank]
+        # one owner of stage -> pipeline rank: s % p, or ZB-V's V (tfsmp/schedule/placement.py)
+        self.placement = Placement.for_pipeline(config.pipeline, self.num_ranks, config.chunks)
+        self.stages = self.placement.stages(self.pipe_rank)
+        self._train_actions = schedule[self.pipe_rank]
+        # mixed_float16 wraps the optimizer in a LossScaleOptimizer (it has `inner_optimizer`;
+        # `dynamic_scale` appears only once built, so test the wrapper, then build on every rank).
+        self._loss_scaled = optimizer is not None and hasattr(optimizer, "inner_optimizer")
+        # [Note: split stages] in stage.py: a stage with W actions defers weight gradients to W
+        weighted = {a.stage for a in self._train_actions if a.op.value == "W"}
         self.programs = {
             s: StageProgram(traced, plan, s, optimize=config.optimize, loss=loss,
-                            jit_compile=bool(config.xla), relax_shapes=self._dynamic_inputs())
+                            jit_compile=bool(config.xla), relax_shapes=self._dynamic_inputs(),
+                            split=s in weighted,
+                            loss_scaler=optimizer.scale_loss if self._loss_scaled else None)
             for s in self.stages}
-        self.last_rank = (plan.num_stages - 1) % self.num_ranks
+        self.last_rank = self.placement.last_rank
         self.is_last_rank = self.pipe_rank == self.last_rank
         self.optimizer = optimizer
         self.loss_reduction = loss_reduction
         # [Note: tied reduction] in tfsmp/runtime/ties.py: a variable on two local stages is
         # updated once, from its first stage's accumulator, which holds the summed gradient
-        self.ties = TiedCopies.of(traced, plan, self.programs, comm.pipeline, self.num_ranks,
+        self.ties = TiedCopies.of(traced, plan, self.programs, comm.pipeline, self.placement,
                                   tag_ub=comm.tag_ub, watch=_watched)
         self._unique = self.ties.unique()
         self.variables = [v for v, _, _ in self._unique]
         self.accumulators = [self.programs[s].accumulators[i] for _, s, i in self._unique]
-        self._train_actions = schedule[self.pipe_rank]
         self._tracer = tracer
+        self._loss = loss
+        self._one_call: OneCallStep | bool | None = None  # False: not applicable
         self._apply_fn: Any = None
         self._eval_actions: dict[int, list[Action]] = {}
-        self._horovod = bool(config.horovod)
+        self._horovod = horovod  # with `horovod: True`, gradients are summed through Horovod
         self._executor: Executor | None = None  # the one that ran the last step
         self._executors: dict[tuple[int, int], Executor] = {}
         self._reducers: dict[tuple[Any, ...], _FusedReducer] = {}
         self.steps = 0
         self.skipped_steps = 0
         self._outputs: ShapeResolver | None = None
-        # mixed_float16 wraps the optimizer in a LossScaleOptimizer (it has `inner_optimizer`;
-        # `dynamic_scale` appears only once built, so test the wrapper, then build on every rank).
-        self._loss_scaled = optimizer is not None and hasattr(optimizer, "inner_optimizer")
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.variables)
-        if self._loss_scaled:  # mixed_float16: the last stage multiplies its loss by the scale
-            for prog in self.programs.values():
-                prog.loss_scaler = optimizer.scale_loss
         self.broadcast_from_first_replica()
         self.ties.sync()  # copies of tied variables start identical
 
@@ -174,16 +188,38 @@ class Engine:
 
     def train_step(self, x: Any, y: Any, sample_weight: Any = None) -> StepResult:
         """One optimizer step over this replica's batch ``x`` (global batch / d rows)."""
+        one_call = self._one_call_step()
+        if one_call is not None:  # [Note: one-call step] in tfsmp/runtime/fused_step.py
+            mb = self._microbatches(x, y, sample_weight, 1)[0]
+            self.steps += 1
+            result, applied = one_call.run(mb, step_number=self.steps,
+                                           nonfinite=self.config.nonfinite, tracer=self._tracer)
+            self.skipped_steps += not applied
+            return result
         scale = 1.0 if self.loss_reduction == "sum" else 1.0 / self.m
         scale /= self.dp_size
-        for prog in self.programs.values():
-            prog.scale.assign(scale)
-            prog.track_finite = self.m > 1
-            prog.reset_accumulators()  # whatever an earlier step left, even one that raised
         mbs = self._microbatches(x, y, sample_weight, self.m)
         ex = self._executor = self._executor_for(self._train_actions, self.m)
         self.steps += 1
-        return ex.run(mbs, train=True, reduce=self._reduce, step=self._apply)
+        # the executor starts every program afresh, even after a step that raised, and calls
+        # this engine's `reduce` and `apply` ([Note: one driver] in tfsmp/runtime/hooks.py)
+        return ex.run(mbs, mode=StepMode(train=True, scale=scale), hooks=self)
+
+    def _one_call_step(self) -> OneCallStep | None:
+        """The step as one compiled call where nothing needs scheduling: one pipeline rank,
+        one stage, one microbatch, one replica, no tied copies, no loss scaling, no XLA and no
+        split (zero-bubble) stage ([Note: one-call step] in tfsmp/runtime/fused_step.py)."""
+        if self._one_call is None:
+            prog, loss = self.programs.get(0), self._loss
+            fits = (self.num_ranks == 1 and self.plan.num_stages == 1 and self.m == 1
+                    and self.dp_size == 1 and not self.ties.count and not self.config.xla
+                    and self.optimizer is not None and not hasattr(self.optimizer, "inner_optimizer"))
+            self._one_call = False
+            if fits and prog is not None and not prog.split and loss is not None:
+                self._one_call = OneCallStep(
+                    prog, self.variables, [i for _, _, i in self._unique], self.optimizer, loss,
+                    rank_tag=self.rank_tag, relax_shapes=self._dynamic_inputs())
+        return self._one_call if isinstance(self._one_call, OneCallStep) else None
 
     def _executor_for(self, actions: list[Action], m: int) -> Executor:
         """The executor of one schedule, kept from step to step so that its receive buffers are
@@ -192,6 +228,7 @@ class Engine:
         if ex is None:
             ex = self._executors[(id(actions), m)] = Executor(
                 actions, self.programs, self.plan, self.comm.pipeline, self.num_ranks, m,
+                placement=self.placement,
                 rank_tag=self.rank_tag, shapes=self.boundary_shapes)
         # read each step, as a new executor did: the limit and the tracer may change between steps
         ex.stall_timeout, ex.tracer = self.config.stall_timeout, self._tracer
@@ -210,25 +247,34 @@ class Engine:
             self.check_inputs_packed(tensors)
             size = int(next(iter(tensors.values())).shape[0]) if tensors else 0
             mbs.append(MicroBatch(tensors, size=size))
-        for prog in self.programs.values():
-            prog.collect = True
-            prog.scale.assign(1.0)
-            prog.collected.clear()
         m = len(mbs)
         if train:
             actions = self._train_actions
         else:
             if m not in self._eval_actions:
-                self._eval_actions[m] = forward_only_schedule(self.plan, self.num_ranks,
+                self._eval_actions[m] = forward_only_schedule(self.plan, self.placement,
                                                               self.pipe_rank, m)
             actions = self._eval_actions[m]
         ex = self._executor = self._executor_for(actions, m)
         self.steps += 1
-        try:
-            return ex.run(mbs, train=train, head=head)
-        finally:
-            for prog in self.programs.values():
-                prog.collect = False
+        return ex.run(mbs, mode=StepMode(train=train, collect=True), head=head)
+
+    def collected(self, stage: int) -> dict[int, list[tf.Tensor]]:
+        """The last `run_step`'s weight gradients of ``stage``, by microbatch ([Note: collect
+        mode] in tfsmp/runtime/stage.py); empty for a stage that fused them into its head."""
+        found = self._executor.result.stages.get(stage) if self._executor is not None else None
+        return dict(found.collected) if found is not None else {}
+
+    @functools.cached_property
+    def view(self) -> RankView:
+        """This rank's read-only view of the partitioned model (tfsmp/runtime/view.py)."""
+        return RankView.build(self.traced, self.plan, self.comm, self.config, self.placement)
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Steps with ``optimizer`` from now on (a model compiled again after partitioning)."""
+        self.optimizer = optimizer
+        self._apply_fn = None
+        self._one_call = None
 
     def check_inputs_packed(self, packed: dict[str, Any]) -> None:
         """Every input's per-sample shape must match the traced model's, before any message.
@@ -257,8 +303,9 @@ class Engine:
             m = 1  # a final partial batch in predict/evaluate runs unsplit
         mbs = self._microbatches(x, None, None, m)
         if m not in self._eval_actions:
-            self._eval_actions[m] = forward_only_schedule(self.plan, self.num_ranks, self.pipe_rank, m)
-        return self._executor_for(self._eval_actions[m], m).run(mbs, train=False)
+            self._eval_actions[m] = forward_only_schedule(self.plan, self.placement, self.pipe_rank,
+                                                          m)
+        return self._executor_for(self._eval_actions[m], m).run(mbs, mode=StepMode(train=False))
 
     # -- reduction and optimizer ---------------------------------------------------------------
 
@@ -331,42 +378,41 @@ class Engine:
         self._allreduce_sum(stats, f"the data-parallel average of stage {stage}'s statistics",
                             wide=True, scale=1.0 / self.dp_size)
 
-    def _reduce(self, stage: int) -> None:
+    # -- StepHooks ([Note: one driver] in tfsmp/runtime/hooks.py) ------------------------------
+
+    def reduce(self, stage: int, result: StageResult) -> None:
+        """REDUCE: sums ``stage``'s gradients over its data-parallel replicas."""
         prog = self.programs[stage]
         if self.dp_size > 1:
             self._sync_statistics(stage)
-        accs = [a for i, a in enumerate(prog.accumulators) if i not in prog.sparse_parts]
+        accs = [a for i, a in enumerate(prog.accumulators) if i not in result.sparse]
         if self.dp_size == 1 or not prog.accumulators:
             return
-        if prog.sparse_parts:  # concatenate every replica's rows, in replica (= batch) order
-            mine = {i: (v.numpy(), x.numpy()) for i, (v, x) in prog.sparse_gradients().items()}
+        if result.sparse:  # concatenate every replica's rows, in replica (= batch) order
+            mine = {i: (v.numpy(), x.numpy()) for i, (v, x) in concat_sparse(result.sparse).items()}
             gathered = self.comm.data.allgather_obj(mine)
-            prog.sparse_parts = {i: [(tf.constant(g[i][0]), tf.constant(g[i][1])) for g in gathered]
-                                 for i in mine}
-        if self._horovod:
-            import horovod.tensorflow as hvd
-
-            summed = hvd.grouped_allreduce([a.value() for a in accs], op=hvd.Sum,
-                                           name=f"tfsmp_grads_stage{stage}")
+            result.sparse.clear()  # in place: tied copies read the same parts
+            result.sparse.update({i: [(tf.constant(g[i][0]), tf.constant(g[i][1]))
+                                      for g in gathered] for i in mine})
+        if self._horovod is not None:
+            summed = self._horovod.grouped_allreduce([a.value() for a in accs],
+                                                     name=f"tfsmp_grads_stage{stage}")
             for a, s in zip(accs, summed):
                 a.assign(s)
             return
         if accs:
             self._allreduce_sum(accs, f"the data-parallel allreduce of stage {stage}'s gradients")
 
-    def _all_finite(self) -> bool:
+    def _all_finite(self, result: StepResult) -> bool:
         """[Note: consistent skips] Whether every gradient of every rank is finite. All ranks
         decide together (one small allgather), so an update is applied or skipped everywhere
         alike and loss-scale state stays identical across ranks."""
-        ok = all(bool(p._finite()) for p in self.programs.values()) and all(
-            bool(tf.reduce_all(tf.math.is_finite(v))) for prog in self.programs.values()
-            for parts in prog.sparse_parts.values() for v, _ in parts)
-        losses = self._executor.result.losses if self._executor is not None else {}
-        bad_mb = sorted(i for i, loss in losses.items() if not np.isfinite(float(loss)))
-        first = {s: p.nonfinite_microbatch for s, p in self.programs.items()
-                 if p.nonfinite_microbatch is not None}
-        if not ok and self.m == 1:  # one microbatch: no per-microbatch tracking was needed
-            first = {s: 0 for s, p in self.programs.items() if not bool(p._finite())}
+        stages = result.stages.values()
+        ok = all(r.finite for r in stages) and all(
+            bool(tf.reduce_all(tf.math.is_finite(v))) for r in stages
+            for parts in r.sparse.values() for v, _ in parts)
+        bad_mb = sorted(i for i, loss in result.losses.items() if not np.isfinite(float(loss)))
+        first = {r.stage: r.first_nonfinite for r in stages if r.first_nonfinite is not None}
         with _watched("every rank's finite-gradient flag (an allgather)"):
             report = self.comm.world.allgather_obj((ok, first, bad_mb))
         if all(r[0] for r in report) and not any(r[2] for r in report):
@@ -382,8 +428,10 @@ class Engine:
             f"Lower the learning rate, check the data, or set nonfinite='skip' to skip such "
             f"updates on every rank.")
 
-    def _apply(self) -> None:
-        if not self._all_finite():
+    def apply(self, result: StepResult) -> None:
+        """STEP: applies the optimizer to this rank's variables, or skips the update on every
+        rank alike when some gradient is not finite."""
+        if not self._all_finite(result):
             self.skipped_steps += 1  # the next step starts from fresh accumulators
             if self._loss_scaled:
                 self.optimizer._stateful_handle_non_finite_grads()
@@ -391,11 +439,9 @@ class Engine:
         self.ties.reduce()  # sum tied copies' gradients over their stages, before the step
         if not self.variables:
             return
-        parts = {s: self.programs[s].sparse_gradients() for s in self.stages}
+        parts = {s: concat_sparse(result.stages[s].sparse) for s in self.stages}
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {
             str(j): parts[s][i] for j, (_, s, i) in enumerate(self._unique) if i in parts[s]}
-        for s in self.stages:
-            self.programs[s].sparse_parts.clear()
         if self._apply_fn is None:
             variables, accs = self.variables, self.accumulators
             optimizer = self.optimizer

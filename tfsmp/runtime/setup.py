@@ -7,6 +7,7 @@ from typing import Any
 from tfsmp.errors import PartitionError
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.runtime.engine import Engine
+from tfsmp.schedule.placement import Placement
 
 __all__ = ["build_engine", "make_plan", "make_schedule"]
 
@@ -67,9 +68,11 @@ def make_schedule(plan: StagePlan, config: Any, data_parallel: bool) -> dict[int
     from tfsmp.schedule.lowering import lower
 
     compute = fuse_last_stage(generate(config.pipeline, config.partitions, config.microbatches,
-                                       virtual_stages=config.virtual_stages,
+                                       virtual_stages=config.chunks,
                                        active_microbatches=config.active_microbatches))
-    return lower(compute, plan, config.partitions, data_parallel=data_parallel)
+    placement = Placement.for_pipeline(config.pipeline, config.partitions, config.chunks)
+    return lower(compute, plan, config.partitions, data_parallel=data_parallel,
+                 placement=placement)
 
 
 def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int]) -> None:
@@ -86,8 +89,8 @@ def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int]) -> None:
 def build_engine(model: Any, sample_x: Any, state: Any, *, loss: Any, optimizer: Any,
                  loss_reduction: str, rank_tag: str, subclassed: bool,
                  profile_batch: Any = None) -> Engine:
+    from tfsmp.graph.scopes import assignment, recording
     from tfsmp.graph.tracer import trace
-    from tfsmp.keras.manual import assignment, recording
 
     config = state.config
     with recording() as placed:
@@ -103,13 +106,15 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, loss: Any, optimizer:
         text = make_plan(traced, config, optimizer, manual, keep_ties=subclassed,
                          step_samples=_rows(sample_x)).to_json()
     plan = StagePlan.from_json(world.bcast_obj(text, root=0))
-    stages = [s for s in range(plan.num_stages) if s % config.partitions == state.comm.pipeline.rank]
+    placement = Placement.for_pipeline(config.pipeline, config.partitions, config.chunks)
+    stages = placement.stages(state.comm.pipeline.rank)
     _take_own_stage(traced, plan, stages)
     schedule = make_schedule(plan, config, data_parallel=state.comm.data.size > 1)
     tracer = None
     if config.trace_dir:
-        from tfsmp.runtime.timeline import Tracer
+        from tfsmp.timeline.events import Tracer
 
         tracer = Tracer(config.trace_dir, state.rank)
     return Engine(traced, plan, schedule, config=config, comm=state.comm, rank_tag=rank_tag,
-                  loss=loss, optimizer=optimizer, loss_reduction=loss_reduction, tracer=tracer)
+                  loss=loss, optimizer=optimizer, loss_reduction=loss_reduction, tracer=tracer,
+                  horovod=state.horovod)

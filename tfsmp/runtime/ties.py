@@ -2,7 +2,7 @@
 
 Example::
 
-    ties = TiedCopies.of(traced, plan, programs, comm.pipeline, num_ranks, tag_ub=comm.tag_ub)
+    ties = TiedCopies.of(traced, plan, programs, comm.pipeline, placement, tag_ub=comm.tag_ub)
     ties.sync()          # once: every copy takes the lowest stage's values
     ties.reduce()        # every step, after the data-parallel reduction: sum the copies' grads
     ties.primary         # (stage, index) of the one accumulator the optimizer reads per variable
@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import StagePlan
+from tfsmp.schedule.placement import Placement
 
 __all__ = ["TiedCopies", "tied_groups"]
 
@@ -46,8 +47,8 @@ class TiedGroup:
     stages: tuple[int, ...]
     variables: list[Any]     # in model order
 
-    def ranks(self, num_ranks: int) -> list[int]:
-        return sorted({s % num_ranks for s in self.stages})
+    def ranks(self, placement: Placement) -> list[int]:
+        return sorted({placement.rank(s) for s in self.stages})
 
 
 def tied_groups(traced: Any, plan: StagePlan) -> list[TiedGroup]:
@@ -74,10 +75,11 @@ class TiedCopies:
     """This rank's tied variables: one primary accumulator each, the sync and the reduction."""
 
     def __init__(self, groups: list[TiedGroup], programs: dict[int, Any], group: Any,
-                 num_ranks: int, tag_ub: int, watch: Callable[[str], Any] | None = None) -> None:
+                 placement: Placement, tag_ub: int, watch: Callable[[str], Any] | None = None
+                 ) -> None:
         self.programs = programs
         self.group = group
-        self.num_ranks = num_ranks
+        self.placement = placement
         self.tag_ub = tag_ub
         self.watch = watch or (lambda what: contextlib.nullcontext())
         self.count = len(groups)  # the same on every rank
@@ -92,9 +94,9 @@ class TiedCopies:
 
     @classmethod
     def of(cls, traced: Any, plan: StagePlan, programs: dict[int, Any], group: Any,
-           num_ranks: int, *, tag_ub: int, watch: Callable[[str], Any] | None = None
+           placement: Placement, *, tag_ub: int, watch: Callable[[str], Any] | None = None
            ) -> TiedCopies:
-        return cls(tied_groups(traced, plan), programs, group, num_ranks, tag_ub, watch)
+        return cls(tied_groups(traced, plan), programs, group, placement, tag_ub, watch)
 
     def check_collect(self, rank_tag: str) -> None:
         """`smp.step` hands each rank's own gradients to the script, which applies them itself,
@@ -126,7 +128,7 @@ class TiedCopies:
     def _exchange(self, k: int, g: TiedGroup, mine: Any) -> dict[int, Any]:
         """Sends ``mine`` to every other rank of the group; returns {rank: its message}."""
         me = self.group.rank
-        peers = [r for r in g.ranks(self.num_ranks) if r != me]
+        peers = [r for r in g.ranks(self.placement) if r != me]
         tag = self.tag_ub - 1 - k
         sends = [self.group.isend_obj(mine, r, tag) for r in peers]
         with self.watch(f"the gradients of tied copies from stages {list(g.stages)}"):
@@ -140,7 +142,7 @@ class TiedCopies:
         """Gives every copy the values of the lowest stage's (the copy checkpoints write), so
         the copies start identical even when initializers were not seeded alike."""
         for k, g in self.groups:
-            root = g.stages[0] % self.num_ranks
+            root = self.placement.rank(g.stages[0])
             mine = [v.numpy() for v in g.variables] if self.group.rank == root else None
             got = self._exchange(k, g, mine)
             if self.group.rank != root:

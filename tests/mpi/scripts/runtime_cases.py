@@ -4,7 +4,8 @@ Usage (under mpirun): python -m mpi4py runtime_cases.py CASE [CASE ...]
 A CASE is ``model:partitions:microbatches:pipeline:optimize[:flag,flag]``, e.g.
 ``mlp:2:4:interleaved:speed`` or ``embed:2:4:simple:memory:adam,horovod``. Flags: ``horovod``
 (reduce over Horovod), ``adam`` (Adam instead of SGD with momentum), ``v2`` (two virtual
-stages per rank).
+stages per rank). Pipelines: ``simple``, ``interleaved``, and the zero-bubble ``zb-h1`` and
+``zb-v`` (2 chunks per rank in a V).
 Every rank prints one JSON line per case: {"case", "rank", "ok", "losses", "ref_losses",
 "max_weight_err", "held_bytes", "plan_bytes", "error"}.
 
@@ -211,7 +212,11 @@ def run_case(spec: str) -> dict[str, object]:
     return {"ok": bool(loss_ok and max(errs, default=0.0) <= 1.0), "losses": losses,
             "ref_losses": ref_losses, "max_weight_err": max(errs, default=0.0),
             "held_bytes": dm.held_variable_bytes(), "plan_bytes": plan_bytes,
-            "stages": engine.stages, "planner": engine.plan.planner}
+            "stages": engine.stages, "planner": engine.plan.planner,
+            # zero-bubble schedules: linear layers whose weight gradients ran in W actions, and
+            # the most microbatches this rank held at once (forward until backward, or until W)
+            "deferred": sum(len(p._deferred_layers or []) for p in engine.programs.values()),
+            "max_held": engine._executor.result.max_held}
 
 
 def main(specs: list[str]) -> None:
