@@ -48,7 +48,7 @@ FOUR_RANKS = [
     "transformer:4:8:interleaved:speed",
     "mlp:2:4:interleaved:speed", "transformer:2:4:simple:memory",  # p=2, d=2 over MPI
     "mlp:1:4:simple:speed",                                          # p=1, d=4
-    "mlp:4:8:zb-h1:speed", "transformer:4:4:zb-h1:memory", "mlp:4:8:zb-v:memory",
+    "mlp:4:8:zb-h1:speed", "transformer:4:4:zb-v:memory",  # zb-v: 8 stages, the MLP has 6 layers
     "mlp:2:4:zb-h1:memory",                                          # zb-h1, d=2
 ]
 

@@ -39,7 +39,7 @@ def trace_counts(dm: tfsmp.DistributedModel) -> dict[str, int]:
     engine = dm._engine
     fns: dict[str, Any] = {"apply": engine._apply_fn, "metrics": dm._metrics_fn}
     for s, prog in engine.programs.items():
-        for name in ("_fwd", "_bwd_recompute", "_fused", "_accumulate", "_finite"):
+        for name in ("_fwd", "_bwd_recompute", "_fused", "_accumulate", "_fwd_split", "_weight"):
             fns[f"stage{s}{name}"] = getattr(prog, name)
     return {k: int(f.experimental_get_tracing_count()) for k, f in fns.items() if f is not None}
 

@@ -39,7 +39,7 @@ def hostinfo() -> dict[str, object]:
         "ompi_node_rank": int(env.get("OMPI_COMM_WORLD_NODE_RANK", -1)),
         # What _pin_gpu would make visible with two GPUs per host.
         "gpu_of_two": select_gpu(tfsmp.local_rank(), 2, tfsmp.local_size()),
-        "stage": state.stage, "data_rank": state.data_rank,
+        "stage": state.pipeline_rank, "data_rank": state.data_rank,
         "placement": state.config.placement_strategy,
         "env": {name: env.get(name) for name in PROBES}, "python": sys.executable,
     }
