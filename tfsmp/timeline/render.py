@@ -292,6 +292,8 @@ def render_gantt(steps: Sequence[Step], path: str | Path, *, title: str | None =
     ax.set_title(title or f"measured: {len(steps)} step(s), idle fraction {bubble:.3f}")
     kinds = ["forward", "backward", _FUSED, "send", "receive (waiting)", "reduction", "optimizer",
              "idle"]
+    if any(s.kind == "W" for step in steps for v in step.values() for s in v):
+        kinds.insert(2, "weight gradient")
     ax.legend(handles=[Patch(facecolor=_COLOURS[k], edgecolor="black", label=k) for k in kinds],
               loc="upper left", bbox_to_anchor=(1.005, 1.0), frameon=False)
     fig.tight_layout()
