@@ -73,7 +73,7 @@ SCRIPTS = REPO_ROOT / "tests" / "mpi" / "scripts"
 CASES_RUNNER = REPO_ROOT / "tests" / "mpi" / "cases_runner.py"
 
 _TAGGED = re.compile(TAG_OUTPUT_PATTERN)
-_RANK_PREFIX = re.compile(r"^\[rank (\d+)\b")   # tfsmp's failure tag, `[rank 3 | stage 1]`
+_RANK_PREFIX = re.compile(r"^\[rank (\d+)\b")   # tfsmp's failure tag, `[rank 3 | pp_rank 1]`
 
 
 class MpiTimeout(AssertionError):

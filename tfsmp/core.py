@@ -99,9 +99,9 @@ class State:
         return self.topology.data_rank_of(self.rank)
 
     def tag(self) -> str:
-        """The error tag `rank R | stage S`: S is the pipeline rank (the tag's wording is
-        pinned by the failure and watchdog reports)."""
-        return f"rank {self.rank} | stage {self.pipeline_rank}"
+        """The error tag `rank R | pp_rank P`: P is the pipeline rank (SMP's `pp_rank()`; a
+        "stage" is a model chunk, and a rank may run several)."""
+        return f"rank {self.rank} | pp_rank {self.pipeline_rank}"
 
 
 _STATE: State | None = None

@@ -4,13 +4,13 @@ Under `mpirun python train.py`, an exception on one rank would otherwise hang th
 ranks wait in a receive or barrier forever, and the failing rank's own atexit `MPI_Finalize` blocks
 (measured with the PyPI Open MPI 5 wheel and mpi4py 4). `install()` replaces `sys.excepthook` and `threading.excepthook` so that every
 launch path (`tfsmp run`, `mpirun python`, `mpirun python -m mpi4py`, `horovodrun`) behaves like
-`python -m mpi4py`: a line naming the host and pid (`[rank 3 | stage 1] failed on host algo-2
-(pid 4242); aborting the job`), then the traceback with every line tagged `[rank 3 | stage 1]`, are
+`python -m mpi4py`: a line naming the host and pid (`[rank 3 | pp_rank 1] failed on host algo-2
+(pid 4242); aborting the job`), then the traceback with every line tagged `[rank 3 | pp_rank 1]`, are
 printed, stderr is flushed, and all ranks are aborted with exit code 1.
 
 Example::
 
-    failure.install(lambda: f"rank {rank} | stage {stage}")
+    failure.install(lambda: f"rank {rank} | pp_rank {stage}")
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def install(rank_tag: Callable[[], str]) -> None:
     """Installs the hooks (idempotent; a second call only replaces the tag function).
 
     Args:
-        rank_tag: Returns the tag text, e.g. "rank 2 | stage 1"; called when an error is reported.
+        rank_tag: Returns the tag text, e.g. "rank 2 | pp_rank 1"; called when an error is reported.
     """
     global _previous, _rank_tag
     _rank_tag = rank_tag

@@ -134,7 +134,7 @@ def agreed(directory: Path) -> dict[str, list[dict[str, Any]]]:
     return _checks(run_cases(2, CASES, AGREEMENT_CASES, env=env, timeout=AGREE_BOUND))
 
 
-_TAG = re.compile(r"^\[rank \d+ \| stage \d+\] ")
+_TAG = re.compile(r"^\[rank \d+ \| pp_rank \d+\] ")
 
 
 def _untagged(error: str) -> str:

@@ -22,10 +22,10 @@ def test_exception_on_rank_2_ends_the_job(launcher: str, mpi4py_module: bool, mo
     assert res.returncode != 0, res.describe()
     assert res.elapsed < LIMIT
     tagged = res.rank_stderr.get(2, "")
-    assert "[rank 2 | stage 0] Traceback (most recent call last):" in tagged, res.describe()
-    assert "[rank 2 | stage 0] RuntimeError: boom on rank 2" in tagged, res.describe()
+    assert "[rank 2 | pp_rank 0] Traceback (most recent call last):" in tagged, res.describe()
+    assert "[rank 2 | pp_rank 0] RuntimeError: boom on rank 2" in tagged, res.describe()
     if mode == "thread":
-        assert "[rank 2 | stage 0] Exception in thread stage-worker:" in tagged
+        assert "[rank 2 | pp_rank 0] Exception in thread stage-worker:" in tagged
     assert "unreachable" not in res.stdout
     assert all(f"rank {r} ready" in res.ranks.get(r, "") for r in range(4)), res.describe()
 
@@ -36,4 +36,4 @@ def test_exception_on_rank_2_ends_a_horovodrun_job() -> None:
     res = run_mpi(4, [SCRIPTS / "fail_rank2.py"], launcher="horovodrun", mpi4py_module=False,
                   timeout=2 * LIMIT)
     assert res.returncode != 0, res.describe()
-    assert "[rank 2 | stage 0] RuntimeError: boom on rank 2" in res.rank_stderr.get(2, "")
+    assert "[rank 2 | pp_rank 0] RuntimeError: boom on rank 2" in res.rank_stderr.get(2, "")

@@ -30,7 +30,7 @@ STALL_TIMEOUT = 3.0   # s, the watchdog limit the stall cases lower to after war
 LAUNCH_BOUND = 180.0  # s, hard limit of one launch, TF start-up on a shared 2-core CI included
 GRACE = 5.0           # s after mpirun exits within which no process of the job may remain
 # Not anchored at a line start: mpirun may glue a rank's unterminated earlier output to a line.
-TAG = r"\[rank {r} \| stage {s}\] "
+TAG = r"\[rank {r} \| pp_rank {s}\] "
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,8 @@ def _check_killed(run: Run, fault: Fault) -> None:
 def _watchdog_table(run: Run, reporter: int, ranks: int) -> str:
     """The watchdog's table as printed by ``reporter``: header, rule, one row per rank."""
     lines = run.result.rank_stderr.get(reporter, "").splitlines()
-    body = [re.sub(r"^\[rank \d+ \| stage \d+\] ", "", line) for line in lines]
-    start = next(i for i, line in enumerate(body) if line.startswith("rank | stage | host"))
+    body = [re.sub(r"^\[rank \d+ \| pp_rank \d+\] ", "", line) for line in lines]
+    start = next(i for i, line in enumerate(body) if line.startswith("rank | pp_rank | host"))
     return "\n".join(body[start:start + 2 + ranks])
 
 
@@ -159,7 +159,7 @@ def test_an_exception_ends_the_job_with_the_failing_ranks_tagged_traceback(name:
     _check_common(run, fault)
     _check_tagged(run, fault)
     if fault.mode == "stall":
-        reporter = next(r for r in fault.failing if "rank | stage | host" in
+        reporter = next(r for r in fault.failing if "rank | pp_rank | host" in
                         run.result.rank_stderr.get(r, ""))
         table = _watchdog_table(run, reporter, fault.np)
         for r in range(fault.np):  # a row for every rank

@@ -92,7 +92,7 @@ def test_unseeded_permutation_fails_clearly_on_every_rank(results: dict[str, Any
     import re
 
     for rank, r in enumerate(_ok(results, "case_unseeded_permutation_fit")):
-        assert r["error"].startswith(f"StepError: [rank {rank} | stage {rank}] ")
+        assert r["error"].startswith(f"StepError: [rank {rank} | pp_rank {rank}] ")
         assert re.search(SAME_BATCH.format(where="in the first batch of epoch 0",
                                            kind="the contents differ"), r["error"]), r["error"]
         assert r["seconds"] < PROMPT

@@ -121,9 +121,9 @@ def test_a_rank_dying_on_the_second_host_ends_the_job_naming_host_and_rank(
                          text), res.describe()
         assert len(re.findall(r"\] killed by signal", text)) == 1, res.describe()
     else:
-        assert re.search(r"\[rank 3 \| stage 1\] failed on host algo-2 \(pid \d+\); aborting "
+        assert re.search(r"\[rank 3 \| pp_rank 1\] failed on host algo-2 \(pid \d+\); aborting "
                          r"the job", text), res.describe()
-        assert "[rank 3 | stage 1] RuntimeError: boom on rank 3" in res.rank_stderr[3]
+        assert "[rank 3 | pp_rank 1] RuntimeError: boom on rank 3" in res.rank_stderr[3]
 
 
 def test_the_default_interface_is_the_one_that_reaches_the_hosts(hosts: Cluster) -> None:

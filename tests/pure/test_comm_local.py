@@ -233,11 +233,11 @@ def test_failure_tag_prefixes_every_traceback_line() -> None:
     try:
         raise ValueError("bad\nsecond line")
     except ValueError as e:
-        text = failure.format_tagged(type(e), e, e.__traceback__, "rank 3 | stage 1")
+        text = failure.format_tagged(type(e), e, e.__traceback__, "rank 3 | pp_rank 1")
     lines = text.splitlines()
-    assert lines[0] == "[rank 3 | stage 1] Traceback (most recent call last):"
-    assert all(line.startswith("[rank 3 | stage 1] ") for line in lines)
-    assert lines[-2:] == ["[rank 3 | stage 1] ValueError: bad", "[rank 3 | stage 1] second line"]
+    assert lines[0] == "[rank 3 | pp_rank 1] Traceback (most recent call last):"
+    assert all(line.startswith("[rank 3 | pp_rank 1] ") for line in lines)
+    assert lines[-2:] == ["[rank 3 | pp_rank 1] ValueError: bad", "[rank 3 | pp_rank 1] second line"]
 
 
 def test_horovod_true_without_horovod_names_the_install_command(no_launcher, monkeypatch) -> None:

@@ -232,7 +232,7 @@ def test_tfsmp_run_rejects_bad_host_input_with_exit_2(
 
 def test_a_failing_rank_names_its_host_before_the_tagged_traceback(
         capsys: pytest.CaptureFixture[str]) -> None:
-    failure.install(lambda: "rank 3 | stage 1")
+    failure.install(lambda: "rank 3 | pp_rank 1")
     try:
         try:
             raise ValueError("bad batch")
@@ -241,10 +241,10 @@ def test_a_failing_rank_names_its_host_before_the_tagged_traceback(
     finally:
         failure.uninstall()
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0] == (f"[rank 3 | stage 1] failed on host {socket.gethostname()} "
+    assert lines[0] == (f"[rank 3 | pp_rank 1] failed on host {socket.gethostname()} "
                         f"(pid {os.getpid()}); aborting the job")
-    assert lines[1] == "[rank 3 | stage 1] Traceback (most recent call last):"
-    assert lines[-1] == "[rank 3 | stage 1] ValueError: bad batch"
+    assert lines[1] == "[rank 3 | pp_rank 1] Traceback (most recent call last):"
+    assert lines[-1] == "[rank 3 | pp_rank 1] ValueError: bad batch"
 
 
 def test_multi_host_ranks_run_under_the_guard_one_host_ranks_do_not(

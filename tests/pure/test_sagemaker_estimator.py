@@ -176,9 +176,9 @@ def test_the_aws_page_generic_estimator_form_gets_the_fix(src: Path) -> None:
 def test_the_first_rank_with_a_traceback_is_the_failing_rank() -> None:
     log = [
         "[1,0]<stdout>: epoch 1",
-        "[1,2]<stderr>: [rank 2 | stage 1] Traceback (most recent call last):",
-        '[1,2]<stderr>: [rank 2 | stage 1]   File "train.py", line 3, in <module>',
-        "[1,2]<stderr>: [rank 2 | stage 1] ValueError: bad batch",
+        "[1,2]<stderr>: [rank 2 | pp_rank 1] Traceback (most recent call last):",
+        '[1,2]<stderr>: [rank 2 | pp_rank 1]   File "train.py", line 3, in <module>',
+        "[1,2]<stderr>: [rank 2 | pp_rank 1] ValueError: bad batch",
         "[1,0]<stderr>: Traceback (most recent call last):",
         "[1,0]<stderr>: mpi4py.MPI.Exception: MPI_ERR_OTHER",
         "prterun detected that one or more processes exited with non-zero status,",

@@ -37,7 +37,7 @@ def test_the_table_has_a_row_per_rank_with_its_state(tmp_path: Path) -> None:
     r1.step_begin()
     r1.update(Action(1, Op.FORWARD, 1))
     report = r0.report()
-    assert report.splitlines()[0].split(" | ")[:3] == ["rank", "stage", "host"]
+    assert report.splitlines()[0].split(" | ")[:3] == ["rank", "pp_rank", "host"]
     rows = _rows(report)
     assert rows[0][4:7] == ["1", "waiting", "0RECV_B1<1"]
     assert rows[0][8] == "gradients of microbatch 1 from stage 1"
@@ -76,13 +76,13 @@ def test_expire_prints_the_tagged_table_and_raises_without_an_mpi_job(
     dog.step_begin()
     dog.update("1RECV_F0<0")
     dog.waiting("activations of microbatch 0 from stage 0")
-    with pytest.raises(StepError, match=r"^\[rank 1 \| stage 1\] waited too long\nWhat every "
+    with pytest.raises(StepError, match=r"^\[rank 1 \| pp_rank 1\] waited too long\nWhat every "
                        r"rank was doing \(tfsmp watchdog; 'for' = time in that state\):\nrank "):
-        dog.expire("[rank 1 | stage 1] waited too long")
+        dog.expire("[rank 1 | pp_rank 1] waited too long")
     err = capsys.readouterr().err.splitlines()
-    assert all(line.startswith("[rank 1 | stage 1] ") for line in err)
-    assert err[0] == "[rank 1 | stage 1] Traceback (most recent call last):"
-    assert any("tfsmp.errors.StepError: [rank 1 | stage 1] waited too long" in x for x in err)
+    assert all(line.startswith("[rank 1 | pp_rank 1] ") for line in err)
+    assert err[0] == "[rank 1 | pp_rank 1] Traceback (most recent call last):"
+    assert any("tfsmp.errors.StepError: [rank 1 | pp_rank 1] waited too long" in x for x in err)
     assert any(re.search(r"\] 1 +\| 1 +\| .*\| waiting +\| 1RECV_F0<0 ", x) for x in err)
     dog.close()
 
@@ -95,7 +95,7 @@ def test_a_blocking_call_past_the_limit_is_reported_by_the_monitor(
     with dog.blocking("the allreduce of stage 0's gradients"):
         time.sleep(1.5)  # the monitor wakes every limit/4 s and expires after the limit
     err = capfd.readouterr().err
-    assert "[rank 0 | stage 0] tfsmp.errors.StepError: [rank 0 | stage 0] waited more than " \
+    assert "[rank 0 | pp_rank 0] tfsmp.errors.StepError: [rank 0 | pp_rank 0] waited more than " \
            "stall_timeout=0.3s for the allreduce of stage 0's gradients." in err
     assert re.search(r"\] 0 +\| 0 +\| .*\| waiting +\| 0REDUCE ", err), err
     assert "  File " in err and "time.sleep(1.5)" in err  # the main thread's stack

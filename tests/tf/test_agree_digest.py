@@ -37,8 +37,8 @@ def test_large_leaves_hash_a_row_sample_that_still_sees_a_permutation(
 def test_the_error_names_the_ranks_and_the_sizes() -> None:
     a, b = batch_digest(np.zeros((16, 2))), batch_digest(np.zeros((8, 2)))
     assert different_ranks([a, a, b], [0, 1, 2]) == [2]
-    msg = str(same_batch_error("[rank 0 | stage 0]", [a, a, b], [0, 1, 2], "at step 3 of epoch 1"))
-    assert msg.startswith("[rank 0 | stage 0] Ranks that train on one batch together")
+    msg = str(same_batch_error("[rank 0 | pp_rank 0]", [a, a, b], [0, 1, 2], "at step 3 of epoch 1"))
+    assert msg.startswith("[rank 0 | pp_rank 0] Ranks that train on one batch together")
     assert "rank(s) [2] got a different batch than rank 0 at step 3 of epoch 1 (batch sizes " \
         "differ: rank 0: 16, rank 1: 16, rank 2: 8)" in msg
     assert "Seed it alike on every rank" in msg

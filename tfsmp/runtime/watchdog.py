@@ -7,7 +7,7 @@ Example::
     dog.update(action)                 # before each schedule action (about a microsecond)
     dog.waiting("activations of microbatch 3 from stage 0")   # a wait that did not finish at once
     dog.step_end()
-    print(dog.report())                # rank | stage | host | pid | step | state | action | for | detail
+    print(dog.report())                # rank | pp_rank | host | pid | step | state | action | for | detail
 
 [Note: status files] Each rank keeps its state in a small memory-mapped file
 ``<directory>/rank<R>.status``: its stage, pid, host, step count, state (running an action,
@@ -147,7 +147,7 @@ class Watchdog:
         self._stage_of = stage_of_rank
         self.stage = self.stage_of(rank)
         self.host = socket.gethostname()
-        self.tag = f"rank {rank} | stage {self.stage}"
+        self.tag = f"rank {rank} | pp_rank {self.stage}"
         self.directory = directory if directory is not None else default_directory()
         self.path: str | None = None
         self._step = 0
@@ -271,7 +271,7 @@ class Watchdog:
         """A table with one row per rank: what it runs or waits for, and for how long."""
         now = time.time() if now is None else now
         rows = [_row(r, self.stage_of(r), self.read(r), now, self.host) for r in range(self.size)]
-        head = ("rank", "stage", "host", "pid", "step", "state", "action", "for", "detail")
+        head = ("rank", "pp_rank", "host", "pid", "step", "state", "action", "for", "detail")
         widths = [max(len(head[i]), *(len(row[i]) for row in rows)) for i in range(len(head) - 1)]
         lines = [" | ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + " | " + row[-1]
                  for row in [head, *rows]]
