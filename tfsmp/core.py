@@ -92,7 +92,7 @@ class State:
     @property
     def pipeline_rank(self) -> int:
         """This rank's place in its pipeline (SMP's mp_rank); it runs one or more stages."""
-        return self.topology.stage_of(self.rank)
+        return self.topology.pipeline_rank_of(self.rank)
 
     @property
     def data_rank(self) -> int:

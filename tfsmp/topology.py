@@ -1,21 +1,22 @@
-"""Global rank <-> (stage, data rank) for SMP's `cluster` and `spread` placements, and the groups.
+"""Global rank <-> (pipeline rank, data rank) for SMP's `cluster` and `spread` placements, and the groups.
 
 Example::
 
     topo = Topology(world_size=8, partitions=2, placement="spread")
-    topo.stage_of(6), topo.data_rank_of(6)     # (1, 2): SMP's mp_rank and dp_rank
+    topo.pipeline_rank_of(6), topo.data_rank_of(6)  # (1, 2): SMP's mp_rank and dp_rank
     topo.mp_groups()                           # [[0, 4], [1, 5], [2, 6], [3, 7]]
     topo.dp_groups()                           # [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 Pure: imports neither TensorFlow nor mpi4py.
 
 [Note: rank layout] With P = partitions and D = world_size // P (SMP's published tables, 8 ranks):
-- cluster: stage = rank % P, data rank = rank // P. A replica's stages sit on consecutive ranks,
-  so on one node they share fast links. P=2: mp_groups [0,1],[2,3],[4,5],[6,7].
-- spread: stage = rank // D, data rank = rank % D. A stage's replicas sit on consecutive ranks.
-  P=2: mp_groups [0,4],[1,5],[2,6],[3,7].
-An mp_group (one model replica) is ordered by stage; a dp_group (the replicas of one stage, which
-reduce gradients together) is ordered by data rank.
+- cluster: pipeline rank = rank % P, data rank = rank // P. A replica's pipeline ranks sit on
+  consecutive ranks, so on one node they share fast links. P=2: mp_groups [0,1],[2,3],[4,5],[6,7].
+- spread: pipeline rank = rank // D, data rank = rank % D. The replicas of one pipeline rank sit
+  on consecutive ranks. P=2: mp_groups [0,4],[1,5],[2,6],[3,7].
+An mp_group (one model replica) is ordered by pipeline rank; a dp_group (the replicas of one
+pipeline rank, which reduce gradients together) is ordered by data rank. Which model chunks
+("stages") a pipeline rank runs is `tfsmp.schedule.placement`'s business.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Topology:
     Example::
 
         topo = Topology(world_size=4, partitions=2)      # cluster
-        topo.rank_of(stage=1, data_rank=1)               # 3
+        topo.rank_of(pipeline_rank=1, data_rank=1)               # 3
         print(topo.table())
     """
 
@@ -88,8 +89,8 @@ class Topology:
                 f"of world_size={self.world_size}, partitions={self.partitions}, "
                 f"placement={self.placement!r}.")
 
-    def stage_of(self, rank: int) -> int:
-        """The pipeline stage of global `rank` (SMP's `mp_rank`)."""
+    def pipeline_rank_of(self, rank: int) -> int:
+        """The pipeline rank of global `rank` (SMP's `mp_rank`)."""
         self._check("rank", rank, self.world_size)
         if self.placement == "cluster":
             return rank % self.partitions
@@ -102,30 +103,30 @@ class Topology:
             return rank // self.partitions
         return rank % self.dp_size
 
-    def rank_of(self, stage: int, data_rank: int) -> int:
-        """The global rank holding `stage` of replica `data_rank`."""
-        self._check("stage", stage, self.partitions)
+    def rank_of(self, pipeline_rank: int, data_rank: int) -> int:
+        """The global rank at `pipeline_rank` of replica `data_rank`."""
+        self._check("pipeline_rank", pipeline_rank, self.partitions)
         self._check("data_rank", data_rank, self.dp_size)
         if self.placement == "cluster":
-            return data_rank * self.partitions + stage
-        return stage * self.dp_size + data_rank
+            return data_rank * self.partitions + pipeline_rank
+        return pipeline_rank * self.dp_size + data_rank
 
     def mp_group(self, rank: int) -> list[int]:
-        """Global ranks of `rank`'s replica, ordered by stage."""
+        """Global ranks of `rank`'s replica, ordered by pipeline rank."""
         data_rank = self.data_rank_of(rank)
         return [self.rank_of(s, data_rank) for s in range(self.partitions)]
 
     def dp_group(self, rank: int) -> list[int]:
-        """Global ranks holding `rank`'s stage, ordered by data rank."""
-        stage = self.stage_of(rank)
-        return [self.rank_of(stage, d) for d in range(self.dp_size)]
+        """Global ranks at `rank`'s pipeline rank, ordered by data rank."""
+        pipeline_rank = self.pipeline_rank_of(rank)
+        return [self.rank_of(pipeline_rank, d) for d in range(self.dp_size)]
 
     def mp_groups(self) -> list[list[int]]:
         """Every replica's ranks, ordered by data rank."""
         return [[self.rank_of(s, d) for s in range(self.partitions)] for d in range(self.dp_size)]
 
     def dp_groups(self) -> list[list[int]]:
-        """Every stage's ranks, ordered by stage."""
+        """Every pipeline rank's replicas, ordered by pipeline rank."""
         return [[self.rank_of(s, d) for d in range(self.dp_size)] for s in range(self.partitions)]
 
     def table(self) -> str:

@@ -49,7 +49,7 @@ def test_groups_follow_the_topology() -> None:
     for r, c in enumerate(comms):
         assert c.backend == "local"
         assert c.world.ranks == [0, 1, 2, 3] and c.world.rank == r
-        assert c.pipeline.ranks == TOPO.mp_group(r) and c.pipeline.rank == TOPO.stage_of(r)
+        assert c.pipeline.ranks == TOPO.mp_group(r) and c.pipeline.rank == TOPO.pipeline_rank_of(r)
         assert c.data.ranks == TOPO.dp_group(r) and c.data.rank == TOPO.data_rank_of(r)
         assert c.user_pipeline.ranks == c.pipeline.ranks and c.user_data.ranks == c.data.ranks
         assert c.pipeline is not c.user_pipeline

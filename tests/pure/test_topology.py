@@ -25,7 +25,7 @@ def test_smp_spread_table_8_ranks_2_partitions() -> None:
     topo = Topology(8, 2, "spread")
     assert topo.mp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert topo.dp_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [topo.stage_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [topo.pipeline_rank_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert topo.data_rank_of(6) == 2
 
 
@@ -42,7 +42,7 @@ def test_groups_of_a_rank() -> None:
     cluster = Topology(8, 2)
     assert cluster.mp_group(5) == [4, 5]
     assert cluster.dp_group(5) == [1, 3, 5, 7]
-    assert cluster.rank_of(stage=1, data_rank=2) == 5
+    assert cluster.rank_of(pipeline_rank=1, data_rank=2) == 5
 
 
 def test_table_text() -> None:
@@ -65,7 +65,7 @@ def test_grid_properties(world: int, partitions: int, placement: str) -> None:
     topo = Topology(world, partitions, placement)
     dp = world // partitions
     for rank in range(world):  # every rank round-trips
-        stage, data_rank = topo.stage_of(rank), topo.data_rank_of(rank)
+        stage, data_rank = topo.pipeline_rank_of(rank), topo.data_rank_of(rank)
         assert 0 <= stage < partitions and 0 <= data_rank < dp
         assert topo.rank_of(stage, data_rank) == rank
         assert rank in topo.mp_group(rank) and rank in topo.dp_group(rank)
@@ -75,11 +75,11 @@ def test_grid_properties(world: int, partitions: int, placement: str) -> None:
         assert sorted(r for g in groups for r in g) == list(range(world))  # a partition of ranks
         assert all(len(g) == size for g in groups)
     for data_rank, group in enumerate(topo.mp_groups()):  # ordered by stage
-        assert [topo.stage_of(r) for r in group] == list(range(partitions))
+        assert [topo.pipeline_rank_of(r) for r in group] == list(range(partitions))
         assert {topo.data_rank_of(r) for r in group} == {data_rank}
     for stage, group in enumerate(topo.dp_groups()):  # ordered by data rank
         assert [topo.data_rank_of(r) for r in group] == list(range(dp))
-        assert {topo.stage_of(r) for r in group} == {stage}
+        assert {topo.pipeline_rank_of(r) for r in group} == {stage}
     consecutive = topo.mp_groups() if placement == "cluster" else topo.dp_groups()
     assert all(g == list(range(g[0], g[0] + len(g))) for g in consecutive)
 
@@ -110,10 +110,10 @@ def test_bad_topology(args: tuple[Any, ...], message: str) -> None:
 def test_bad_ranks() -> None:
     topo = Topology(8, 2)
     with pytest.raises(ConfigError, match=re.escape("rank must be an integer in [0, 8). Received: rank=8, on a grid of world_size=8, partitions=2")):
-        topo.stage_of(8)
+        topo.pipeline_rank_of(8)
     with pytest.raises(ConfigError, match=re.escape("rank must be an integer in [0, 8). Received: rank=-1,")):
         topo.data_rank_of(-1)
-    with pytest.raises(ConfigError, match=re.escape("stage must be an integer in [0, 2). Received: stage=2,")):
+    with pytest.raises(ConfigError, match=re.escape("pipeline_rank must be an integer in [0, 2). Received: pipeline_rank=2,")):
         topo.rank_of(2, 0)
     with pytest.raises(ConfigError, match=re.escape("data_rank must be an integer in [0, 4). Received: data_rank=4,")):
         topo.rank_of(0, 4)

@@ -143,7 +143,7 @@ def test_every_key_has_one_writer_in_the_job_ties_included(strategy: str, kind: 
     for v in views:
         assert v.placement == placement
         assert [s.stage for s in v.stages] == placement.stages(v.pipeline_rank)
-        assert (v.pipeline_rank, v.data_rank) == (topo.stage_of(v.world_rank),
+        assert (v.pipeline_rank, v.data_rank) == (topo.pipeline_rank_of(v.world_rank),
                                                   topo.data_rank_of(v.world_rank))
         assert v.last_rank == placement.rank(3)
     writes = [k for v in views for k in v.writes]

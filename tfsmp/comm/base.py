@@ -117,7 +117,7 @@ class Comm:
     Example::
 
         comm = create_mpi_comm(topology)
-        comm.pipeline.rank == topology.stage_of(comm.world.rank)
+        comm.pipeline.rank == topology.pipeline_rank_of(comm.world.rank)
         comm.data.rank == topology.data_rank_of(comm.world.rank)
     """
 

@@ -2,7 +2,7 @@
 
 Example::
 
-    dog = Watchdog(rank=0, size=4, stage_of_rank=topology.stage_of, limit=600.0)
+    dog = Watchdog(rank=0, size=4, pipeline_rank_of=topology.pipeline_rank_of, limit=600.0)
     dog.step_begin()
     dog.update(action)                 # before each schedule action (about a microsecond)
     dog.waiting("activations of microbatch 3 from stage 0")   # a wait that did not finish at once
@@ -10,7 +10,7 @@ Example::
     print(dog.report())                # rank | pp_rank | host | pid | step | state | action | for | detail
 
 [Note: status files] Each rank keeps its state in a small memory-mapped file
-``<directory>/rank<R>.status``: its stage, pid, host, step count, state (running an action,
+``<directory>/rank<R>.status``: its pipeline rank, pid, host, step count, state (running an action,
 waiting, or outside a step), the action, what it waits for, and since when. Writing is a few
 ``struct.pack_into`` calls into shared memory, no system call, so the executor can afford one per
 action. A stalled rank reads every rank's file to print the table; this needs no cooperation from
@@ -66,7 +66,7 @@ DIR_ENV = "TFSMP_WATCHDOG_DIR"
 # Environment variables that name the running job, launcher by launcher.
 _JOB_KEYS = ("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid", "SLURM_JOB_ID", "PBS_JOBID")
 _MAGIC = b"TFWD"
-# magic, seq, pid, rank, stage, state, step, since, action, detail, host
+# magic, seq, pid, rank, pipeline rank, state, step, since, action, detail, host
 _RECORD = struct.Struct("<4sIiiiB3xQd48s160s64s")
 _SEQ = struct.Struct("<I")
 _SEQ_AT = 4
@@ -84,7 +84,7 @@ class Status:
     """One rank's record as read back from its file."""
 
     rank: int
-    stage: int
+    pipeline_rank: int
     pid: int
     host: str
     step: int
@@ -135,19 +135,21 @@ class Watchdog:
     Args:
         rank: This process's world rank.
         size: World size.
-        stage_of_rank: World rank -> pipeline stage (``Topology.stage_of``), or a sequence.
+        pipeline_rank_of: World rank -> pipeline rank (``Topology.pipeline_rank_of``), or a
+            sequence.
         directory: Where status files go (default: `default_directory`).
         limit: Seconds a blocking wait may last before `blocking` expires (0 disables the
             monitor thread; the executor applies its own ``stall_timeout`` to receives).
     """
 
-    def __init__(self, rank: int, size: int, stage_of_rank: Callable[[int], int] | Sequence[int],
+    def __init__(self, rank: int, size: int,
+                 pipeline_rank_of: Callable[[int], int] | Sequence[int],
                  directory: str | None = None, *, limit: float = 0.0) -> None:
         self.rank, self.size, self.limit = rank, size, float(limit)
-        self._stage_of = stage_of_rank
-        self.stage = self.stage_of(rank)
+        self._pipeline_rank_of = pipeline_rank_of
+        self.pipeline_rank = self.pipeline_rank_of(rank)
         self.host = socket.gethostname()
-        self.tag = f"rank {rank} | pp_rank {self.stage}"
+        self.tag = f"rank {rank} | pp_rank {self.pipeline_rank}"
         self.directory = directory if directory is not None else default_directory()
         self.path: str | None = None
         self._step = 0
@@ -165,8 +167,8 @@ class Watchdog:
 
     # -- the record ----------------------------------------------------------------------------
 
-    def stage_of(self, rank: int) -> int:
-        fn = self._stage_of
+    def pipeline_rank_of(self, rank: int) -> int:
+        fn = self._pipeline_rank_of
         return int(fn(rank) if callable(fn) else fn[rank])
 
     def _open(self) -> None:
@@ -187,7 +189,7 @@ class Watchdog:
                 break
 
     def _write_header(self) -> None:
-        _RECORD.pack_into(self._map, 0, _MAGIC, 0, os.getpid(), self.rank, self.stage, NONE, 0,
+        _RECORD.pack_into(self._map, 0, _MAGIC, 0, os.getpid(), self.rank, self.pipeline_rank, NONE, 0,
                           time.time(), b"", b"", _encode(self.host, 64))
 
     def _set(self, state: int, action: bytes, detail: bytes) -> None:
@@ -270,7 +272,8 @@ class Watchdog:
     def report(self, now: float | None = None) -> str:
         """A table with one row per rank: what it runs or waits for, and for how long."""
         now = time.time() if now is None else now
-        rows = [_row(r, self.stage_of(r), self.read(r), now, self.host) for r in range(self.size)]
+        rows = [_row(r, self.pipeline_rank_of(r), self.read(r), now, self.host)
+                for r in range(self.size)]
         head = ("rank", "pp_rank", "host", "pid", "step", "state", "action", "for", "detail")
         widths = [max(len(head[i]), *(len(row[i]) for row in rows)) for i in range(len(head) - 1)]
         lines = [" | ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + " | " + row[-1]
@@ -351,12 +354,12 @@ class Watchdog:
 
 def _parse(raw: bytes) -> Status | None:
     try:
-        magic, _, pid, rank, stage, state, step, since, action, detail, host = _RECORD.unpack(raw)
+        magic, _, pid, rank, pipe, state, step, since, action, detail, host = _RECORD.unpack(raw)
     except struct.error:
         return None
     if magic != _MAGIC:
         return None
-    return Status(rank, stage, pid, _text(host), step, _STATE_NAMES.get(state, "?"),
+    return Status(rank, pipe, pid, _text(host), step, _STATE_NAMES.get(state, "?"),
                   _text(action), _text(detail), since)
 
 
@@ -374,9 +377,9 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _row(rank: int, stage: int, st: Status | None, now: float, host: str) -> list[str]:
+def _row(rank: int, pipeline_rank: int, st: Status | None, now: float, host: str) -> list[str]:
     if st is None:
-        return [str(rank), str(stage), "?", "?", "?", "no status", "-", "-",
+        return [str(rank), str(pipeline_rank), "?", "?", "?", "no status", "-", "-",
                 f"no status file (not started yet, or on another host: set {DIR_ENV} to a "
                 f"directory every host shares)"]
     detail = st.detail
@@ -386,7 +389,7 @@ def _row(rank: int, stage: int, st: Status | None, now: float, host: str) -> lis
         detail = "has not run a pipeline step yet"
     if st.host == host and not _alive(st.pid):
         detail = f"process {st.pid} is gone (killed or crashed); last: {detail or st.state}"
-    return [str(rank), str(st.stage), st.host, str(st.pid), str(st.step), st.state,
+    return [str(rank), str(st.pipeline_rank), st.host, str(st.pid), str(st.step), st.state,
             st.action or "-", f"{max(0.0, now - st.since):.1f} s", detail]
 
 
@@ -416,15 +419,16 @@ def for_process() -> Watchdog | None:
     except Exception:
         return None
     size = st.topology.world_size
-    stages = [st.topology.stage_of(r) for r in range(size)]
+    pipeline_ranks = [st.topology.pipeline_rank_of(r) for r in range(size)]
     old = _PROCESS[2] if _PROCESS is not None else None
-    if old is not None and (old.rank, old.size, old._stage_of) == (st.rank, size, stages):
+    if old is not None and (old.rank, old.size, old._pipeline_rank_of) == (st.rank, size,
+                                                                            pipeline_ranks):
         old.limit = limit  # the same layout: keep the file, steps count on
         _PROCESS = (st, limit, old)
         return old
     if old is not None:  # close first: the new one reuses the file name
         old.close()
-    dog = Watchdog(st.rank, size, stages, limit=limit)
+    dog = Watchdog(st.rank, size, pipeline_ranks, limit=limit)
     _PROCESS = (st, limit, dog)
     return dog
 
