@@ -359,9 +359,9 @@ class Executor:
         self.sends.clear()
         if dog is not None:
             dog.step_end()
-        if mode.train:
-            for s, prog in self.programs.items():
-                self.result.stages.setdefault(s, prog.result())
+        if mode.train:  # stages without REDUCE or STEP actions (collect mode) report here
+            for s in self.programs:
+                self._stage_result(s)
         return self.result
 
     def _resolve_shapes(self, microbatches: list[MicroBatch]) -> list[dict[int, tuple[int, ...]]]:
