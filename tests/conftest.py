@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+
+# oneDNN's CPU kernels round differently per batch size and CPU (AVX-512 here): in-process TF
+# tests compare microbatched with whole-batch results, as the multi-rank ones (tests/mpihelp.py).
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # `import mpihelp` from any test directory.

@@ -27,12 +27,6 @@ CHECK_BOUND = 30.0    # s, from a bad call to its error on every rank
 # check -> (exception type, pattern the message must match after the rank tag)
 EXPECTED: dict[str, tuple[str, str]] = {
     # data
-    "not_divisible": ("StepError", r"^The global batch size must be divisible by data-parallel "
-                      r"replicas × microbatches\. Received: batch_size=10, replicas=1, "
-                      r"microbatches=4\. Use a batch size that is a multiple of 4"),
-    "dataset_last_batch_not_divisible": (
-        "StepError", r"^The global batch size must be divisible .* Received: batch_size=10, "
-        r"replicas=1, microbatches=4\. .*drop_remainder=True"),
     "shape_changes_between_batches": (
         "StepError", r"^Every batch must have the per-sample shape the model was traced with\. "
         r"Received: input 'x' with shape \(9,\), expected \(8,\)\. Pad or crop batches"),

@@ -69,14 +69,12 @@ def test_dataset_and_generator_inputs_equal_plain_keras(results: dict) -> None:
 def test_bad_batches_give_the_same_clear_error_on_every_rank(results: dict) -> None:
     a, b = _ok(results, "case_bad_batches_fail_on_every_rank")
     for r in (a, b):
-        assert "batch size must be divisible by microbatches" in r["not_divisible"] or \
-            "divisible by data-parallel replicas × microbatches" in r["not_divisible"]
-        assert "Received: batch_size=10" in r["not_divisible"]
+        # any batch size trains, as in Keras: microbatches of unequal sizes and a partial last
+        # batch (their equality with plain Keras: tests/mpi/test_keras_semantics.py)
+        assert r["not_divisible"] == "no error" and r["fit_last_batch"] == "no error"
         assert "per-sample shape the model was traced with" in r["other_shape"]
         assert "Received: input 'x' with shape (12,), expected (10,)" in r["other_shape"]
         assert "The loss needs targets. Received: y=None" in r["no_targets"]
-        assert "last batch of an epoch" in r["fit_last_batch"]
-        assert "steps_per_epoch=3" in r["fit_last_batch"]
     strip = [{k: v.split("] ", 1)[-1] for k, v in r.items()} for r in (a, b)]
     assert strip[0] == strip[1]
 

@@ -20,6 +20,7 @@ a CRC-32 of the bytes (0.4 ms for a 256×28×28 float32 batch here); leaves abov
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +31,7 @@ from tfsmp.errors import StepError
 from tfsmp.runtime import microbatch as mbatch
 
 __all__ = ["BatchSource", "batch_digest", "capped_steps", "check_same_batch", "class_sample_weights",
-           "different_ranks", "replica_share", "same_batch_error", "split_validation"]
+           "different_ranks", "same_batch_error", "split_validation"]
 
 DIGEST_BYTES = 1 << 20  # per leaf; larger leaves hash evenly spaced rows (a bounded cost)
 
@@ -41,31 +42,12 @@ def _is_array_like(x: Any) -> bool:
                                 not hasattr(v, "element_spec")) for v in leaves)
 
 
-def replica_share(batch: Any, data_rank: int, num_replicas: int, divisor: int) -> Any:
-    """The rows of a global batch that replica ``data_rank`` trains on.
-
-    Raises:
-        StepError: if the global batch does not split into equal replica microbatches.
-    """
-    b = mbatch.batch_size_of(batch)
-    if b % (num_replicas * divisor):
-        raise StepError(
-            f"The global batch size must be divisible by data-parallel replicas × microbatches. "
-            f"Received: batch_size={b}, replicas={num_replicas}, microbatches={divisor}. Use a "
-            f"batch size that is a multiple of {num_replicas * divisor} (with tf.data: "
-            f".batch(..., drop_remainder=True)).")
-    if num_replicas == 1:
-        return batch
-    size = b // num_replicas
-    return mbatch.take_rows(batch, data_rank * size, (data_rank + 1) * size)
-
-
 class BatchSource:
     """Yields ``(x, y, sample_weight)`` global batches, epoch after epoch."""
 
     def __init__(self, x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: int | None,
                  shuffle: bool = False, seed: int = 0, steps_per_epoch: int | None = None,
-                 divisor: int = 1, class_weight: dict[int, float] | None = None) -> None:
+                 class_weight: dict[int, float] | None = None) -> None:
         self.arrays = _is_array_like(x)
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.shuffle, self.seed = shuffle, seed
@@ -77,16 +59,9 @@ class BatchSource:
             self.num_samples = mbatch.batch_size_of(self.x)
             self.batch_size = batch_size or 32
             full, rest = divmod(self.num_samples, self.batch_size)
-            if steps_per_epoch is None and rest and rest % divisor:
-                raise StepError(
-                    f"The last batch of an epoch must also split into replicas × microbatches. "
-                    f"Received: samples={self.num_samples}, batch_size={self.batch_size}, last "
-                    f"batch={rest}, replicas × microbatches={divisor}. Pass "
-                    f"steps_per_epoch={full} to drop it, or pick a batch size that divides "
-                    f"{self.num_samples}.")
-            self.num_batches: int | None = full + (1 if rest else 0)
-            if steps_per_epoch is not None:
-                self.num_batches = steps_per_epoch
+            self.per_pass = full + (1 if rest else 0)  # a partial last batch trains too, as in Keras
+            self.num_batches: int | None = steps_per_epoch or self.per_pass
+            self._pass, self._position = 0, 0  # [Note: passes over arrays]
         else:
             if batch_size is not None and not isinstance(batch_size, int):
                 raise StepError(f"batch_size must be an int. Received: batch_size={batch_size!r}")
@@ -124,15 +99,29 @@ class BatchSource:
                 self._iterator = iter(self.adapter.get_numpy_iterator())
 
     def _array_epoch(self, epoch: int) -> Iterator[tuple[Any, Any, Any]]:
+        """[Note: passes over arrays] As Keras's `EpochIterator`: without ``steps_per_epoch``
+        an epoch is one pass over the arrays (shuffled anew); with it, an epoch takes that many
+        batches and the next epoch goes on where it stopped; a pass that runs out in the middle
+        of an epoch ends that epoch early (Keras warns "Your input ran out of data"), and the
+        next one starts a new pass."""
+        if self.steps_per_epoch is None:
+            self._pass, self._position = epoch, 0
         n = self.num_samples
-        order = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+        order = (np.random.default_rng([self.seed, self._pass]).permutation(n) if self.shuffle
                  else np.arange(n))
-        steps = self.num_batches or 0
-        for step in range(steps):
-            start = (step * self.batch_size) % n
+        for _ in range(self.num_batches or 0):
+            if self._position >= self.per_pass:
+                warnings.warn("Your input ran out of data; interrupting training. Make sure "
+                              "that your dataset or generator can generate at least "
+                              "`steps_per_epoch * epochs` batches.", stacklevel=2)
+                break
+            start = self._position * self.batch_size
+            self._position += 1
             idx = order[start:start + self.batch_size]
             yield tuple(None if v is None else _rows(v, idx)
                         for v in (self.x, self.y, self.sample_weight))  # type: ignore[misc]
+        if self._position >= self.per_pass:
+            self._pass, self._position = self._pass + 1, 0
 
 
 def capped_steps(steps_per_epoch: int | None) -> int | None:

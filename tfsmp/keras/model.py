@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend import get_keras_mask, set_keras_mask
 
 from tfsmp.errors import StepError
 from tfsmp.keras.data import (
@@ -41,10 +42,10 @@ from tfsmp.keras.data import (
     check_same_batch,
     class_sample_weights,
     different_ranks,
-    replica_share,
     same_batch_error,
     split_validation,
 )
+from tfsmp.keras.overrides import check_overrides
 from tfsmp.runtime import microbatch as mbatch
 
 if TYPE_CHECKING:
@@ -91,7 +92,6 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._engine: Any = None
         self._state: Any = None
         self._metrics_fn: Any = None
-        self._loss_reduction = "sum_over_batch_size"
         self._loss_sum, self._loss_count = 0.0, 0
         self._profile_batch: Any = None
         DistributedModel._live.append(weakref.ref(self))
@@ -193,9 +193,9 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         kwargs.setdefault("jit_compile", False)
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
                         metrics=metrics, weighted_metrics=weighted_metrics, **kwargs)
-        self._loss_reduction = getattr(loss, "reduction", None) or "sum_over_batch_size"
         self._metrics_fn = None
         if self._engine is not None:
+            self._engine.set_objective(getattr(self, "_compile_loss", None))
             self._engine.set_optimizer(self.optimizer)
 
     # -- setup ---------------------------------------------------------------------------------
@@ -223,8 +223,8 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             self.optimizer = None  # SMP scripts apply gradients with their own optimizer
         self._engine = build_engine(
             self._source_model(), sample_x, self._state,
-            loss=self._loss_callable(), optimizer=getattr(self, "optimizer", None),
-            loss_reduction=self._loss_reduction, rank_tag=self._rank_tag(),
+            compile_loss=getattr(self, "_compile_loss", None),
+            optimizer=getattr(self, "optimizer", None), rank_tag=self._rank_tag(),
             subclassed=self._wrapped is None, profile_batch=self._profile_batch)
         import importlib.util
 
@@ -236,16 +236,6 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         for hook in list(_POST_PARTITION_HOOKS):
             hook()
         return self._engine
-
-    def _loss_callable(self) -> Callable[..., tf.Tensor] | None:
-        compile_loss = getattr(self, "_compile_loss", None)
-        if compile_loss is None:
-            return None
-
-        def loss(y: Any, y_pred: Any, sample_weight: Any) -> tf.Tensor:
-            return compile_loss(y, y_pred, sample_weight)
-
-        return loss
 
     @property
     def rank_view(self) -> RankView | None:
@@ -289,6 +279,8 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
                        class_weight: Any = None, return_dict: bool = False) -> Any:
         """One optimizer step on one global batch; returns that batch's loss (as Keras does)."""
         self._check_compiled()
+        self._state = self._runtime_state()
+        check_overrides(self, "train_on_batch", rank_tag=self._rank_tag())
         if class_weight is not None:
             sample_weight = class_sample_weights(y, sample_weight, class_weight)
         engine = self._ensure_engine(x)
@@ -296,53 +288,82 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         logs = self._train_batch(engine, x, y, sample_weight)
         return logs if return_dict else self._flatten_metrics_in_order(logs)  # as Keras orders
 
+    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
+                      return_dict: bool = False) -> Any:
+        """Keras's ``test_on_batch``, pipelined: the batch's loss and metrics on every rank."""
+        self._check_compiled()
+        self._state = self._runtime_state()
+        check_overrides(self, "test_on_batch", rank_tag=self._rank_tag())
+        engine = self._ensure_engine(x)
+        self._reset_metrics()
+        logs = self._step_logs(engine.view, engine.evaluate(x, y, sample_weight),
+                               mbatch.batch_size_of(x))
+        return logs if return_dict else self._flatten_metrics_in_order(logs)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """Keras's ``predict_on_batch``, pipelined: the outputs on every rank."""
+        self._state = self._runtime_state()
+        check_overrides(self, "predict_on_batch", rank_tag=self._rank_tag())
+        flat = self._forward_batch(x)
+        return self._view().traced.pack_outputs(flat)
+
     def _train_batch(self, engine: Any, x: Any, y: Any, sw: Any) -> dict[str, float]:
-        st = self._state
         if y is None:  # every rank sees the same batch, so every rank raises, before any message
             raise StepError(
                 f"{self._rank_tag()} The loss needs targets. Received: y=None. Pass y to fit(), "
                 f"or yield (x, y) pairs from the dataset.")
-        d, r = st.topology.dp_size, st.topology.data_rank_of(st.rank)
-        m = st.config.microbatches
-        share = [replica_share(v, r, d, m) if v is not None else None for v in (x, y, sw)]
-        result = engine.train_step(*share)
-        return self._step_logs(engine.view, result, share[1], share[2], mbatch.batch_size_of(x))
+        result = engine.train_step(x, y, sw)  # the global batch: [Note: one owner of the step]
+        return self._step_logs(engine.view, result, mbatch.batch_size_of(x))
 
-    def _step_logs(self, view: RankView, result: Any, y: Any, sw: Any, global_batch: int
-                   ) -> dict[str, float]:
+    def _step_logs(self, view: RankView, result: Any, global_batch: int) -> dict[str, float]:
+        """Keras's logs after a batch: the mean loss so far (weighted by batch size), each
+        output's loss and the compiled metrics, the same on every rank."""
+        self._loss_sum += result.loss * global_batch
+        self._loss_count += global_batch
+        self._update_loss_metrics(result, global_batch)
         logs: dict[str, float] | None = None
         if view.is_last_rank:
-            order = sorted(result.losses)
-            losses = [float(result.losses[i]) for i in order]
-            batch_loss = float(np.sum(losses)) if self._loss_reduction == "sum" else float(np.mean(losses))
-            if view.data_size > 1:
-                batch_loss = view.groups.data.allreduce_obj(batch_loss, "sum") / view.data_size
-            self._loss_sum += batch_loss * global_batch
-            self._loss_count += global_batch
-            self._update_metrics(view, result, y, sw)
-            logs = {"loss": self._loss_sum / max(self._loss_count, 1), **self._metric_results(view)}
+            self._update_metrics(view, result)
+            logs = self._metric_results(view)
         out: dict[str, float] = view.groups.pipeline.bcast_obj(logs, root=view.last_rank)
-        return out
+        return {"loss": self._loss_sum / max(self._loss_count, 1), **out}
 
-    def _update_metrics(self, view: RankView, result: Any, y: Any, sw: Any) -> None:
+    def _update_loss_metrics(self, result: Any, rows: int) -> None:
+        """Keras keeps a Mean of each output's unweighted loss when there are several
+        (`CompileLoss.metrics`); they get the batch's values, as in one process."""
+        compile_loss = getattr(self, "_compile_loss", None)
+        metrics = list(compile_loss.metrics) if compile_loss is not None else []
+        for metric, value in zip(metrics, result.term_values):
+            metric.update_state(value, sample_weight=rows)
+
+    def _update_metrics(self, view: RankView, result: Any) -> None:
+        """The compiled metrics, per microbatch of this replica, from the outputs (with their
+        Keras masks) of the step that just ran on the last stage."""
         metrics = getattr(self, "_compile_metrics", None)
-        if metrics is None or y is None:
+        if metrics is None:
             return
-        ys = mbatch.split(y, len(result.outputs))
-        ws = mbatch.split(sw, len(result.outputs)) if sw is not None else [None] * len(ys)
         for i in sorted(result.outputs):
-            y_pred = view.traced.pack_outputs(result.outputs[i])
-            yi = tf.nest.map_structure(tf.convert_to_tensor, ys[i])
-            wi = None if ws[i] is None else tf.nest.map_structure(tf.convert_to_tensor, ws[i])
+            mb = result.microbatches[i]
+            if mb.y is None:
+                continue
+            outputs = result.outputs[i]
+            masks = [get_keras_mask(t) for t in outputs]
             if self._metrics_fn is None:
-                metrics.update_state(yi, y_pred, wi)  # eager first call builds the metrics
-                self._metrics_fn = tf.function(metrics.update_state)
+                metrics.update_state(mb.y, view.traced.pack_outputs(outputs), mb.sample_weight)
+                self._metrics_fn = tf.function(self._metrics_update)  # eager first call built them
             else:
-                self._metrics_fn(yi, y_pred, wi)
+                self._metrics_fn(mb.y, outputs, masks, mb.sample_weight)
+
+    def _metrics_update(self, y: Any, outputs: list[Any], masks: list[Any], sw: Any) -> None:
+        for t, m in zip(outputs, masks):
+            if m is not None:
+                set_keras_mask(t, m)  # a compiled function's arguments carry no Keras mask
+        self._compile_metrics.update_state(y, self._view().traced.pack_outputs(outputs), sw)
 
     def _logged_metrics(self) -> list[Any]:
         """What Keras logs besides "loss": the compiled metrics, then each output's loss (Keras
-        keeps a Mean of each output's unweighted loss when there are several)."""
+        keeps a Mean of each output's unweighted loss when there are several; every rank
+        updates those with the batch's values, so no replica sum is needed for them)."""
         out = []
         metrics = getattr(self, "_compile_metrics", None)
         if metrics is not None and metrics.built:
@@ -354,7 +375,9 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
     def _metric_results(self, view: RankView) -> dict[str, float]:
         metrics = self._logged_metrics()
-        variables = [v for m in metrics for v in m.variables]
+        compiled = getattr(self, "_compile_metrics", None)
+        # the compiled metrics saw this replica's rows only; each output's loss, the batch's
+        variables = list(compiled.variables) if compiled is not None and compiled.built else []
         saved = None
         if view.data_size > 1:  # sum metric states over replicas, read, then restore local ones
             saved = [v.numpy() for v in variables]
@@ -389,20 +412,18 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         """Keras `fit`, pipelined. ``batch_size`` is the global batch (split over replicas)."""
         _reject(kwargs, (), "fit")
         self._check_compiled()
+        self._state = self._runtime_state()
+        check_overrides(self, "fit", rank_tag=self._rank_tag())
         epochs = min(epochs, keras.config.max_epochs() or epochs)  # Keras's debugging caps
         steps_per_epoch, validation_steps = map(capped_steps, (steps_per_epoch, validation_steps))
         if validation_split and validation_data is None:  # the arrays' tail, before shuffling
             (x, y, sample_weight), validation_data = split_validation(
                 x, y, sample_weight, validation_split)
-        self._state = self._runtime_state()
-        topo = self._state.topology
-        divisor = topo.dp_size * self._state.config.microbatches
         entropy = int(np.random.SeedSequence().entropy or 0)  # type: ignore[arg-type]
         seed = self._agree(entropy % (2**31) if self._state.config.seed is None
                            else self._state.config.seed)
         source = BatchSource(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-                             seed=seed, steps_per_epoch=steps_per_epoch, divisor=divisor,
-                             class_weight=class_weight)
+                             seed=seed, steps_per_epoch=steps_per_epoch, class_weight=class_weight)
         verbose = 1 if verbose == "auto" else verbose
         cb = keras.callbacks.CallbackList(
             callbacks, add_history=True, add_progbar=bool(verbose) and self._state.rank == 0,
@@ -437,6 +458,8 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             cb.on_epoch_end(epoch, epoch_logs)
             if self.stop_training:
                 break
+        if self._engine is not None:
+            self._engine.finalize()  # as Keras's fit ends: EMA weights swapped in (use_ema)
         cb.on_train_end(logs)
         return self.history
 
@@ -497,22 +520,19 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def _forward_batch(self, x: Any) -> Any:
         """Pipelined forward of a global batch; returns merged outputs on every rank."""
         engine = self._ensure_engine(x)
-        st = self._state
-        d, r = st.topology.dp_size, st.topology.data_rank_of(st.rank)
-        b = mbatch.batch_size_of(x)
-        if d > 1 and b % d == 0:
-            share = replica_share(x, r, d, 1)
-        else:
-            share, d = x, 1
-        result = engine.forward(share)
-        view = engine.view
+        _, result = engine.forward(x)
+        return self._gather_outputs(engine.view, result)
+
+    def _gather_outputs(self, view: RankView, result: Any) -> Any:
+        """The outputs of every replica's rows, in batch order, on every rank."""
         flat = None
         if view.is_last_rank:
             parts = [[np.asarray(t) for t in result.outputs[i]] for i in sorted(result.outputs)]
-            flat = [np.concatenate([p[j] for p in parts]) for j in range(len(parts[0]))]
-            if d > 1:
-                gathered = view.groups.data.allgather_obj(flat)
-                flat = [np.concatenate([g[j] for g in gathered]) for j in range(len(flat))]
+            flat = ([np.concatenate([p[j] for p in parts]) for j in range(len(parts[0]))]
+                    if parts else None)
+            if view.data_size > 1:
+                gathered = [g for g in view.groups.data.allgather_obj(flat) if g is not None]
+                flat = [np.concatenate([g[j] for g in gathered]) for j in range(len(gathered[0]))]
         return view.groups.pipeline.bcast_obj(flat, root=view.last_rank)
 
     def _pipelined_call(self, inputs: Any) -> Any:
@@ -523,6 +543,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
                 steps: int | None = None, callbacks: Any = None) -> Any:
         """Pipelined predict; the outputs are returned on every rank."""
         self._state = self._runtime_state()
+        check_overrides(self, "predict", rank_tag=self._rank_tag())
         source = BatchSource(x, None, None, batch_size=batch_size, steps_per_epoch=steps)
         chunks = [self._forward_batch(xb) for xb, _, _ in source.epoch(0)]
         traced = self._view().traced
@@ -532,29 +553,18 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
                  verbose: Any = "auto", sample_weight: Any = None, steps: int | None = None,
                  callbacks: Any = None, return_dict: bool = False, **kwargs: Any) -> Any:
-        """Pipelined evaluate: loss and compiled metrics over the data, on every rank."""
+        """Pipelined evaluate: the loss Keras's test step computes (compiled loss, layer losses,
+        weight regularizers) and the compiled metrics over the data, on every rank."""
+        self._check_compiled()
         self._state = self._runtime_state()
+        check_overrides(self, "evaluate", rank_tag=self._rank_tag())
         source = BatchSource(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps)
         self._reset_metrics()
-        loss_sum, count = 0.0, 0
-        metrics = getattr(self, "_compile_metrics", None)
+        logs: dict[str, float] = {}
         for xb, yb, wb in self._agreed(source, 0):
-            flat = self._forward_batch(xb)
-            y_pred = self._view().traced.pack_outputs([tf.convert_to_tensor(v) for v in flat])
-            yt = tf.nest.map_structure(tf.convert_to_tensor, yb)
-            wt = None if wb is None else tf.nest.map_structure(tf.convert_to_tensor, wb)
-            n = mbatch.batch_size_of(xb)
-            loss_sum += float(self._compile_loss(yt, y_pred, wt)) * n
-            count += n
-            if metrics is not None:
-                metrics.update_state(yt, y_pred, wt)
-        logs = {"loss": loss_sum / max(count, 1)}
-        for m in self._logged_metrics():  # the compiled metrics, then each output's loss
-            result = m.result()
-            if isinstance(result, dict):
-                logs.update({k: float(np.asarray(v)) for k, v in result.items()})
-            else:
-                logs[m.name] = float(np.asarray(result))
+            engine = self._ensure_engine(xb)
+            result = engine.evaluate(xb, yb, wb)
+            logs = self._step_logs(engine.view, result, mbatch.batch_size_of(xb))
         if return_dict:
             return logs
         return self._flatten_metrics_in_order(logs)  # Keras's order: loss, output losses, ...

@@ -357,8 +357,8 @@ class _Step:
             ctx.metrics = metrics
 
             def run_call(*_: Any, training: Any = None, **__: Any) -> Any:
-                _, outputs = prog.evaluate(stage_inputs, recv, training=bool(training))
-                return traced.pack_outputs(outputs)
+                out = prog.evaluate(stage_inputs, recv, training=bool(training))
+                return traced.pack_outputs(out.outputs)
 
             ctx.run_call = run_call
             with _activate(ctx, own_tape=own_tape):
@@ -369,9 +369,9 @@ class _Step:
             results[i] = (out, _grad_list(ctx, out))
             return out
 
-        engine.run_step([traced.pack_inputs(_model_input(*c)) for c in inputs], head,
-                        train=bool(self._trains))
-        return self._assemble(engine, results, m, metrics)
+        step = engine.run_step([traced.pack_inputs(_model_input(*c)) for c in inputs], head,
+                               train=bool(self._trains))
+        return self._assemble(engine, step, results, m, metrics)
 
     def _dry_run(self, args: tuple[Any, ...], kwargs: dict[str, Any], model: Any) -> _DryRun:
         """Traces the body once with a shapes-only model call, into a function graph that is
@@ -405,7 +405,7 @@ class _Step:
             f"A step must call the DistributedModel and return something that depends on its "
             f"output. Received: {self.fn.__name__} never called the model.")
 
-    def _assemble(self, engine: Any, results: dict[int, tuple[Any, Any]], m: int,
+    def _assemble(self, engine: Any, step: Any, results: dict[int, tuple[Any, Any]], m: int,
                   metrics: MetricSync) -> Any:
         """Every rank: the last stage's returned structure and metric state, with this rank's
         gradients (averaged over the data-parallel replicas unless Horovod does it)."""
@@ -421,7 +421,7 @@ class _Step:
             payload = None
         template, flats, state = view.groups.pipeline.bcast_obj(payload, root=view.last_rank)
         metrics.apply(state, view.is_last_rank)
-        own = _own_gradients(engine, results, m) if _has_grads(template) else [[]] * m
+        own = _own_gradients(engine, step, results, m) if _has_grads(template) else [[]] * m
         if _has_grads(template) and view.data_size > 1 and not view.horovod:
             own = _replica_mean(engine, own)
         per_mb = [_fill(template, [tf.convert_to_tensor(v) for v in flats[i]], own[i])
@@ -625,11 +625,12 @@ def _mb_shape(shape: Any, m: int) -> Any:
     return tf.TensorShape(dims)
 
 
-def _own_gradients(engine: Any, results: dict[int, tuple[Any, Any]], m: int) -> list[list[Any]]:
+def _own_gradients(engine: Any, step: Any, results: dict[int, tuple[Any, Any]], m: int
+                   ) -> list[list[Any]]:
     """This rank's weight gradients per microbatch, in `model.trainable_variables` order."""
     out: list[list[Any]] = []
     stages = engine.view.stages
-    collected = {stage.stage: engine.collected(stage.stage) for stage in stages}
+    collected = {stage.stage: engine.collected(step, stage.stage) for stage in stages}
     for i in range(m):
         grads: list[Any] = []
         for stage in stages:

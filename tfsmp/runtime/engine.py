@@ -1,35 +1,48 @@
-"""The pipeline engine of one rank: plan, schedule, stage programs, reduction and optimizer step.
+"""The pipeline engine of one rank: the step's bookkeeping, schedule, reduction and optimizer step.
 
 Example::
 
-    engine = Engine(traced, plan, schedule, config=config, comm=comm, rank_tag="[rank 0]",
-                    loss=loss_fn, optimizer=opt)       # usually built by runtime.setup
-    result = engine.train_step(x, y, sample_weight)   # one optimizer step over the local batch
-    outputs = engine.forward(x)                        # pipelined inference, outputs on the last stage
+    engine = Engine(traced, plan, schedules, config=config, comm=comm, rank_tag="[rank 0]",
+                    objective=objective, optimizer=opt)   # usually built by runtime.setup
+    result = engine.train_step(x, y, sample_weight)       # one optimizer step over the global batch
+    result.loss, result.term_values                       # what Keras reports for that batch
+    result = engine.evaluate(x, y, sample_weight)         # loss and outputs, no update
 
 Roughly, for a training step on rank r (stages S_r = placement.stages(r): s mod p, or ZB-V's V):
-    split batch into m microbatches -> the executor runs the lowered schedule (F/B/W/sends/
-    receives) and calls this engine as its `StepHooks` ([Note: one driver] in hooks.py):
-    -> reduce(s, result): sum stage s's gradient accumulators over its data-parallel replicas
-    -> apply(result): optimizer.apply(accumulators, variables of S_r); the next step's first
-             microbatch overwrites the accumulators (stage.py, [Note: fresh accumulators])
-Each microbatch loss is scaled by 1/(m·d), so the accumulated sum is the gradient of the mean
-loss over the global batch.
+    the global batch's rows -> this replica's rows (`replica_rows`) -> m' microbatches of any
+    sizes, each with its constants (`objective.Consts`) -> the executor runs the lowered
+    schedule (F/B/W/sends/receives) and calls this engine as its `StepHooks` ([Note: one driver]
+    in hooks.py):
+    -> reduce(s, result): sum stage s's gradients over its data-parallel replicas
+    -> apply(result): every rank's finiteness, loss parts and normalizers in one allgather; the
+             tied copies' sum; optimizer.apply_gradients(gradients of S_r, their variables)
+
+[Note: one owner of the step] This engine alone turns a global batch into microbatches and back
+into what Keras reports: which rows each replica trains on, how many microbatches a step has,
+the constants every program needs for its share of the loss ([Note: loss numerators] in
+objective.py), the layer losses ([Note: decomposable losses] in layer_losses.py) and weight
+regularizers, and the step's loss, per-output losses and finiteness. Microbatches and replica
+shares may be of any sizes (np.array_split's), so any batch size trains, and so does an epoch's
+partial last batch: a replica left without rows still takes part in the reductions.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from keras import tree
 
 from tfsmp.comm.horovod import HorovodReducer
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import StagePlan
+from tfsmp.runtime import layer_losses as ll
 from tfsmp.runtime import microbatch as mbatch
 from tfsmp.runtime import watchdog as wd
 from tfsmp.runtime.dynamic_shapes import BoundaryShapes, ShapeResolver, is_dynamic
@@ -44,27 +57,38 @@ from tfsmp.runtime.executor import (
 )
 from tfsmp.runtime.fused_step import OneCallStep
 from tfsmp.runtime.hooks import StageResult, StepMode
-from tfsmp.runtime.stage import StageProgram, concat_sparse
+from tfsmp.runtime.objective import Objective
+from tfsmp.runtime.optimizer_options import OptimizerBridge
+from tfsmp.runtime.stage import StageProgram
 from tfsmp.runtime.ties import TiedCopies
 from tfsmp.runtime.view import RankView
-from tfsmp.schedule.actions import Action, Op
+from tfsmp.schedule.actions import Action
+from tfsmp.schedule.lowering import forward_only
 from tfsmp.schedule.placement import Placement
 
-__all__ = ["Engine", "forward_only_schedule"]
+__all__ = ["Engine", "StepShape"]
 
 
-def forward_only_schedule(plan: StagePlan, placement: Placement, rank: int, num_microbatches: int
-                          ) -> list[Action]:
-    """Inference actions of one rank: per microbatch, its stages in order, each with its
-    receives before and sends after. Acyclic stage order means it cannot deadlock."""
-    out: list[Action] = []
-    stages = placement.stages(rank)
-    for i in range(num_microbatches):
-        for s in stages:
-            out.extend(Action(s, Op.RECV_F, i, q) for q in plan.peers_backward(s))
-            out.append(Action(s, Op.FORWARD, i))
-            out.extend(Action(s, Op.SEND_F, i, c) for c in plan.peers_forward(s))
-    return out
+@dataclass(frozen=True)
+class StepShape:
+    """How one global batch splits ([Note: one owner of the step]): every replica's rows,
+    this replica's row range, the microbatches per replica and the batch's parts in all."""
+
+    rows: int
+    replica_rows: tuple[int, ...]
+    start: int
+    stop: int
+    step_microbatches: int  # of every replica that has rows
+    parts: int              # the batch's microbatches over all replicas
+
+    @property
+    def microbatches(self) -> int:
+        """This replica's microbatches: 0 when it has no rows in this batch."""
+        return self.step_microbatches if self.stop > self.start else 0
+
+    @property
+    def my_rows(self) -> int:
+        return self.stop - self.start
 
 
 class Engine:
@@ -74,14 +98,13 @@ class Engine:
         self,
         traced: Any,
         plan: StagePlan,
-        schedule: dict[int, list[Action]],
+        schedules: Callable[[int], dict[int, list[Action]]],
         *,
         config: Any,
         comm: Any,
         rank_tag: str,
-        loss: Callable[..., tf.Tensor] | None,
+        objective: Objective | None,
         optimizer: Any,
-        loss_reduction: str = "sum_over_batch_size",
         tracer: Any = None,
         horovod: HorovodReducer | None = None,
     ) -> None:
@@ -99,43 +122,41 @@ class Engine:
         # one owner of stage -> pipeline rank: s % p, or ZB-V's V (tfsmp/schedule/placement.py)
         self.placement = Placement.for_pipeline(config.pipeline, self.num_ranks, config.chunks)
         self.stages = self.placement.stages(self.pipe_rank)
-        self._train_actions = schedule[self.pipe_rank]
-        # mixed_float16 wraps the optimizer in a LossScaleOptimizer (it has `inner_optimizer`;
-        # `dynamic_scale` appears only once built, so test the wrapper, then build on every rank).
-        self._loss_scaled = optimizer is not None and hasattr(optimizer, "inner_optimizer")
+        self._schedules = schedules
+        self._actions: dict[int, list[Action]] = {self.m: schedules(self.m)[self.pipe_rank]}
+        self._train_actions = self._actions[self.m]
         # [Note: split stages] in stage.py: a stage with W actions defers weight gradients to W
         weighted = {a.stage for a in self._train_actions if a.op.value == "W"}
+        self.objective = objective
         self.programs = {
-            s: StageProgram(traced, plan, s, optimize=config.optimize, loss=loss,
+            s: StageProgram(traced, plan, s, optimize=config.optimize, objective=objective,
                             jit_compile=bool(config.xla), relax_shapes=self._dynamic_inputs(),
-                            split=s in weighted,
-                            loss_scaler=optimizer.scale_loss if self._loss_scaled else None)
+                            split=s in weighted)
             for s in self.stages}
         self.last_rank = self.placement.last_rank
         self.is_last_rank = self.pipe_rank == self.last_rank
-        self.optimizer = optimizer
-        self.loss_reduction = loss_reduction
         # [Note: tied reduction] in tfsmp/runtime/ties.py: a variable on two local stages is
         # updated once, from its first stage's accumulator, which holds the summed gradient
         self.ties = TiedCopies.of(traced, plan, self.programs, comm.pipeline, self.placement,
                                   tag_ub=comm.tag_ub, watch=_watched)
         self._unique = self.ties.unique()
         self.variables = [v for v, _, _ in self._unique]
-        self.accumulators = [self.programs[s].accumulators[i] for _, s, i in self._unique]
         self._tracer = tracer
-        self._loss = loss
         self._one_call: OneCallStep | bool | None = None  # False: not applicable
-        self._apply_fn: Any = None
-        self._eval_actions: dict[int, list[Action]] = {}
+        self.optimizer: Any = None
+        self._bridge: OptimizerBridge | None = None
         self._horovod = horovod  # with `horovod: True`, gradients are summed through Horovod
         self._executor: Executor | None = None  # the one that ran the last step
         self._executors: dict[tuple[int, int], Executor] = {}
         self._reducers: dict[tuple[Any, ...], _FusedReducer] = {}
+        self._eval_actions: dict[int, list[Action]] = {}
+        self._idle_actions: dict[int, list[Action]] = {}
         self.steps = 0
         self.skipped_steps = 0
         self._outputs: ShapeResolver | None = None
-        if optimizer is not None and not optimizer.built:
-            optimizer.build(self.variables)
+        self._layer_losses: bool | None = None  # does any stage of the job add layer losses?
+        self._warned_state = False
+        self.set_optimizer(optimizer)
         self.broadcast_from_first_replica()
         self.ties.sync()  # copies of tied variables start identical
 
@@ -157,6 +178,16 @@ class Engine:
         found = self._outputs.shapes(shapes)
         return [found[k] for k in self.traced.output_keys]
 
+    def step_shape(self, rows: int, microbatches: int | None = None) -> StepShape:
+        """How a global batch of ``rows`` splits over replicas and microbatches, the same on
+        every rank ([Note: one owner of the step])."""
+        shares = mbatch.split_sizes(rows, self.dp_size)
+        r = self.comm.data.rank
+        start = sum(shares[:r])
+        nonempty = [s for s in shares if s > 0]
+        m = min(microbatches or self.m, min(nonempty)) if nonempty else 0
+        return StepShape(rows, tuple(shares), start, start + shares[r], m, m * len(nonempty))
+
     def check_batch_sizes(self, x: Any, y: Any, sample_weight: Any) -> None:
         """Targets and sample weights have one row per input row (else only the last stage's
         loss would fail, and its peers would wait for it).
@@ -173,52 +204,136 @@ class Engine:
                     f"row. Received: inputs with batch size {b}, {what} with batch size {n}. "
                     f"Pass x, y and sample_weight of the same length.")
 
-    def _microbatches(self, x: Any, y: Any, sample_weight: Any, m: int) -> list[MicroBatch]:
+    def _microbatches(self, x: Any, y: Any, sample_weight: Any, shape: StepShape, *,
+                      scale: float = 1.0, global_weights: Any = None) -> list[MicroBatch]:
+        """This replica's microbatches of a global batch, with their constants."""
         packed = {k: tf.convert_to_tensor(v) for k, v in self.traced.pack_inputs(x).items()}
         self.check_inputs_packed(packed)  # the batch is converted once, then sliced
-        self.check_batch_sizes(x, y, sample_weight)
-        xs = [packed] if m == 1 else mbatch.split(packed, m)
-        ys = mbatch.split(y, m, what="target batch") if y is not None else [None] * m
-        ws = (mbatch.split(sample_weight, m, what="sample_weight batch")
-              if sample_weight is not None else [None] * m)
-        return [MicroBatch(xi, _to_tensors(yi), _to_tensors(wi), size=mbatch.batch_size_of(xi))
-                for xi, yi, wi in zip(xs, ys, ws)]
+        mine = (packed, y, sample_weight)
+        if shape.my_rows != shape.rows:
+            mine = mbatch.take_rows(mine, shape.start, shape.stop)
+        out = []
+        start = 0
+        for size in mbatch.split_sizes(shape.my_rows, shape.microbatches):
+            xi, yi, wi = mbatch.take_rows(mine, start, start + size)
+            start += size
+            consts = (self.objective.constants(rows=shape.rows, rows_mb=size,
+                                               sample_weight=global_weights, scale=scale,
+                                               parts=shape.parts)
+                      if self.objective is not None and self.objective.prepared
+                      else np.array([shape.rows, size, scale, 1.0], np.float32))
+            out.append(MicroBatch(xi, _to_tensors(yi), _to_tensors(wi), size=size,
+                                  consts=tf.constant(consts)))
+        return out
 
     # -- steps ---------------------------------------------------------------------------------
 
     def train_step(self, x: Any, y: Any, sample_weight: Any = None) -> StepResult:
-        """One optimizer step over this replica's batch ``x`` (global batch / d rows)."""
+        """One optimizer step over the global batch ``x`` (every rank passes the same batch)."""
+        self.check_batch_sizes(x, y, sample_weight)
+        shape = self.step_shape(mbatch.batch_size_of(x))
+        if self.objective is not None and not self.objective.prepared:
+            self._prepare(x, y, sample_weight, shape)
         one_call = self._one_call_step()
+        scale = self._bridge.loss_scale() if self._bridge is not None else 1.0
         if one_call is not None:  # [Note: one-call step] in tfsmp/runtime/fused_step.py
-            mb = self._microbatches(x, y, sample_weight, 1)[0]
+            mb = self._microbatches(x, y, sample_weight, shape, scale=scale,
+                                    global_weights=sample_weight)[0]
             self.steps += 1
             result, applied = one_call.run(mb, step_number=self.steps,
                                            nonfinite=self.config.nonfinite, tracer=self._tracer)
             self.skipped_steps += not applied
+            result.microbatches = [mb]
             return result
-        scale = 1.0 if self.loss_reduction == "sum" else 1.0 / self.m
-        scale /= self.dp_size
-        mbs = self._microbatches(x, y, sample_weight, self.m)
-        ex = self._executor = self._executor_for(self._train_actions, self.m)
         self.steps += 1
+        if shape.microbatches == 0:  # this replica has no rows: it only takes part in the reductions
+            return self._idle_step(shape)
+        mbs = self._microbatches(x, y, sample_weight, shape, scale=scale, global_weights=sample_weight)
+        ex = self._executor = self._executor_for(self._actions_for(shape.microbatches),
+                                                 shape.microbatches)
+        self._step_shape = shape
+        watch = not self._warned_state and shape.microbatches > 1
+        before = self._state_digest() if watch else {}
+        self._warned_state |= watch
         # the executor starts every program afresh, even after a step that raised, and calls
         # this engine's `reduce` and `apply` ([Note: one driver] in tfsmp/runtime/hooks.py)
-        return ex.run(mbs, mode=StepMode(train=True, scale=scale), hooks=self)
+        result = ex.run(mbs, mode=StepMode(train=True), hooks=self)
+        if before:
+            self._warn_state_updates(before)
+        return result
+
+    def _idle_step(self, shape: StepShape) -> StepResult:
+        """A replica without rows in this batch: zero gradients through the same reductions
+        and the same optimizer step as its peers, in its schedule's order."""
+        self._step_shape = shape
+        actions = self._idle_actions.get(shape.step_microbatches)
+        if actions is None:
+            actions = self._idle_actions[shape.step_microbatches] = [
+                a for a in self._actions_for(shape.step_microbatches)
+                if a.op.value in ("REDUCE", "STEP")]
+        ex = self._executor = self._executor_for(actions, 0)
+        return ex.run([], mode=StepMode(train=True), hooks=self)
+
+    def _actions_for(self, m: int) -> list[Action]:
+        """This rank's lowered training actions for a step of ``m`` microbatches."""
+        if m not in self._actions:
+            self._actions[m] = self._schedules(m)[self.pipe_rank]
+        return self._actions[m]
+
+    def _prepare(self, x: Any, y: Any, sample_weight: Any, shape: StepShape) -> None:
+        """Before the first training step, on every rank alike: measures the layer losses of
+        this rank's stages, learns the compiled loss's terms, and refuses what a pipeline cannot
+        honour ([Note: one owner of the step])."""
+        mine = any([p.measure_layer_losses() for p in self.programs.values()]) or bool(
+            self._regularized())
+        with _watched("every rank's layer-loss flag (an allgather)"):
+            self._layer_losses = any(self.comm.world.allgather_obj(mine))
+        rows = min(mbatch.batch_size_of(x), 3)
+        head = mbatch.take_rows((x, y, sample_weight), 0, rows)
+        y_pred = self._like_outputs(head[0])
+        self._objective().prepare(head[1], head[2], y_pred, parts=shape.parts,
+                               has_layer_losses=self._layer_losses,
+                               scaled=self._bridge is not None and self._bridge.scaled,
+                               rank_tag=self.rank_tag)
+
+    def _like_outputs(self, x: Any) -> Any:
+        """Random tensors shaped like the model's outputs for inputs ``x``, carrying a mask
+        where the model's output carries one (what a loss's kind depends on)."""
+        shapes = self.output_shapes(tree.map_structure(tf.convert_to_tensor, x))
+        rng = np.random.default_rng(0)
+        outs = []
+        masks = getattr(self.traced, "output_mask_keys", None) or [None] * len(shapes)
+        for key, shp, mask_key in zip(self.traced.output_keys, shapes, masks):
+            dtype = self.traced.graph.tensors[key].dtype
+            value = tf.constant(rng.normal(size=[int(d or 1) for d in shp]).astype(np.float32))
+            value = tf.cast(value, dtype) if tf.as_dtype(dtype).is_floating else tf.cast(
+                tf.abs(value), dtype)
+            if mask_key is not None:
+                mshape = (shp[0], *self.traced.graph.tensors[mask_key].shape)
+                mshape = tuple(d if d is not None else shp[i] for i, d in enumerate(mshape))
+                from keras.src.backend import set_keras_mask
+
+                set_keras_mask(value, tf.ones(mshape, tf.bool))
+            outs.append(value)
+        return self.traced.pack_outputs(outs)
 
     def _one_call_step(self) -> OneCallStep | None:
         """The step as one compiled call where nothing needs scheduling: one pipeline rank,
-        one stage, one microbatch, one replica, no tied copies, no loss scaling, no XLA and no
-        split (zero-bubble) stage ([Note: one-call step] in tfsmp/runtime/fused_step.py)."""
+        one stage, one microbatch, one replica, no tied copies, no loss scaling, no XLA, no
+        split (zero-bubble) stage, and no layer losses ([Note: one-call step] in
+        tfsmp/runtime/fused_step.py)."""
         if self._one_call is None:
-            prog, loss = self.programs.get(0), self._loss
+            prog = self.programs.get(0)
             fits = (self.num_ranks == 1 and self.plan.num_stages == 1 and self.m == 1
                     and self.dp_size == 1 and not self.ties.count and not self.config.xla
-                    and self.optimizer is not None and not hasattr(self.optimizer, "inner_optimizer"))
+                    and self.optimizer is not None and self._bridge is not None
+                    and self._bridge.plain and not self._layer_losses
+                    and self.objective is not None and self.objective.prepared)
             self._one_call = False
-            if fits and prog is not None and not prog.split and loss is not None:
+            if fits and prog is not None and not prog.split:
                 self._one_call = OneCallStep(
-                    prog, self.variables, [i for _, _, i in self._unique], self.optimizer, loss,
-                    rank_tag=self.rank_tag, relax_shapes=self._dynamic_inputs())
+                    prog, self.variables, [i for _, _, i in self._unique], self.optimizer,
+                    self.objective, rank_tag=self.rank_tag, relax_shapes=self._dynamic_inputs())
         return self._one_call if isinstance(self._one_call, OneCallStep) else None
 
     def _executor_for(self, actions: list[Action], m: int) -> Executor:
@@ -234,11 +349,33 @@ class Engine:
         ex.stall_timeout, ex.tracer = self.config.stall_timeout, self._tracer
         return ex
 
+    def _state_digest(self) -> dict[str, float]:
+        """A checksum of every non-trainable variable a layer may update in call() (moving
+        statistics, documented apart, and random seed states excluded)."""
+        return {f"{c.layer_name}": float(tf.reduce_sum(tf.abs(tf.cast(v, tf.float64))))
+                for p in self.programs.values() for c in p.calls
+                for v in getattr(c.layer, "non_trainable_variables", [])
+                if "seed_generator" not in v.path and "moving_" not in v.path}
+
+    def _warn_state_updates(self, before: dict[str, float]) -> None:
+        """Warns once when a layer changed its own state during a step of several
+        microbatches: it did so once per microbatch, where plain Keras does it once per batch
+        (BatchNormalization's moving statistics are documented in docs/keras_semantics.md)."""
+        after = self._state_digest()
+        changed = sorted({name for name, value in before.items() if after.get(name) != value})
+        if changed:
+            warnings.warn(
+                f"{self.rank_tag} Layers {changed} updated their own state in call(); with "
+                f"several microbatches they do so once per microbatch, where plain Keras does "
+                f"once per batch (as BatchNormalization, docs/keras_semantics.md).",
+                stacklevel=4)
+
     def run_step(self, inputs: list[dict[str, Any]], head: Callable[..., Any], train: bool = True
                  ) -> StepResult:
         """One `smp.step` call: ``inputs[i]`` are microbatch i's model inputs (by tensor key).
-        The last stage runs ``head``; other stages keep per-microbatch weight gradients in
-        ``program.collected`` (no reduction, no optimizer step: the script applies them)."""
+        The last stage runs ``head``; other stages keep per-microbatch weight gradients
+        ([Note: collect mode] in tfsmp/runtime/stage.py; no reduction, no optimizer step: the
+        script applies them)."""
         if train:
             self.ties.check_collect(self.rank_tag)
         mbs = []
@@ -246,35 +383,54 @@ class Engine:
             tensors = {k: tf.convert_to_tensor(v) for k, v in packed.items()}
             self.check_inputs_packed(tensors)
             size = int(next(iter(tensors.values())).shape[0]) if tensors else 0
-            mbs.append(MicroBatch(tensors, size=size))
+            consts = tf.constant([size, size, 1.0, 1.0], tf.float32)
+            mbs.append(MicroBatch(tensors, size=size, consts=consts))
         m = len(mbs)
-        if train:
-            actions = self._train_actions
-        else:
-            if m not in self._eval_actions:
-                self._eval_actions[m] = forward_only_schedule(self.plan, self.placement,
-                                                              self.pipe_rank, m)
-            actions = self._eval_actions[m]
+        actions = self._train_actions if train else self._forward_actions(m)
         ex = self._executor = self._executor_for(actions, m)
         self.steps += 1
         return ex.run(mbs, mode=StepMode(train=train, collect=True), head=head)
 
-    def collected(self, stage: int) -> dict[int, list[tf.Tensor]]:
-        """The last `run_step`'s weight gradients of ``stage``, by microbatch ([Note: collect
-        mode] in tfsmp/runtime/stage.py); empty for a stage that fused them into its head."""
-        found = self._executor.result.stages.get(stage) if self._executor is not None else None
-        return dict(found.collected) if found is not None else {}
+    def collected(self, result: StepResult, stage: int) -> dict[int, list[tf.Tensor]]:
+        """``result``'s weight gradients of ``stage`` by microbatch ([Note: collect mode] in
+        tfsmp/runtime/stage.py); empty for a stage that fused them into its head."""
+        found = result.stages.get(stage)
+        return dict(found.grads.collected) if found is not None else {}
 
     @functools.cached_property
     def view(self) -> RankView:
         """This rank's read-only view of the partitioned model (tfsmp/runtime/view.py)."""
         return RankView.build(self.traced, self.plan, self.comm, self.config, self.placement)
 
+    def set_objective(self, compile_loss: Any) -> None:
+        """Trains with ``compile_loss`` from now on (a model compiled again after partitioning)."""
+        self.objective = Objective(compile_loss) if compile_loss is not None else None
+        for prog in self.programs.values():
+            prog.set_objective(self.objective)
+        self._one_call = None
+
     def set_optimizer(self, optimizer: Any) -> None:
         """Steps with ``optimizer`` from now on (a model compiled again after partitioning)."""
         self.optimizer = optimizer
-        self._apply_fn = None
         self._one_call = None
+        self._bridge = None
+        if optimizer is None:
+            return
+        if not optimizer.built:
+            optimizer.build(self.variables)
+        self._bridge = OptimizerBridge(optimizer, self.variables, self._counted_here(),
+                                       self.comm.pipeline, xla=bool(self.config.xla),
+                                       rank_tag=self.rank_tag)
+
+    def _counted_here(self) -> list[bool]:
+        """Per variable of this rank: whether its pipeline rank is the one that counts it once
+        in sums over the pipeline (a tied variable is held by several ranks)."""
+        view = self.view
+        return [view.placement.rank(view.key_stage[view.keys[id(v)]]) == self.pipe_rank
+                for v in self.variables]
+
+    def _regularized(self) -> list[Any]:
+        return [v for v in self.variables if getattr(v, "regularizer", None) is not None]
 
     def check_inputs_packed(self, packed: dict[str, Any]) -> None:
         """Every input's per-sample shape must match the traced model's, before any message.
@@ -295,17 +451,72 @@ class Engine:
                     f"expected {tuple(want)}. Pad or crop batches to one shape (shapes may not "
                     f"change between batches of a pipelined model).")
 
-    def forward(self, x: Any, num_microbatches: int | None = None) -> StepResult:
-        """Pipelined inference; outputs land on the last stage's rank."""
-        m = num_microbatches or self.m
-        b = mbatch.batch_size_of(x)
-        if b % m:
-            m = 1  # a final partial batch in predict/evaluate runs unsplit
-        mbs = self._microbatches(x, None, None, m)
+    def _forward_actions(self, m: int) -> list[Action]:
         if m not in self._eval_actions:
-            self._eval_actions[m] = forward_only_schedule(self.plan, self.placement, self.pipe_rank,
-                                                          m)
-        return self._executor_for(self._eval_actions[m], m).run(mbs, mode=StepMode(train=False))
+            self._eval_actions[m] = forward_only(self.plan, self.placement, self.pipe_rank, m)
+        return self._eval_actions[m]
+
+    def forward(self, x: Any, shape: StepShape | None = None) -> tuple[StepShape, StepResult]:
+        """Pipelined inference of this replica's rows of the global batch ``x``; outputs land on
+        the last stage's rank, with their Keras masks."""
+        shape = shape or self.step_shape(mbatch.batch_size_of(x))
+        if shape.microbatches == 0:
+            return shape, StepResult()
+        mbs = self._microbatches(x, None, None, shape)
+        m = len(mbs)
+        result = self._executor_for(self._forward_actions(m), m).run(
+            mbs, mode=StepMode(train=False))
+        result.microbatches = mbs
+        return shape, result
+
+    def evaluate(self, x: Any, y: Any, sample_weight: Any = None) -> StepResult:
+        """The loss of the global batch as Keras's ``test_step`` computes it, on every rank,
+        and the model outputs of this replica's rows on the last stage's rank."""
+        self.check_batch_sizes(x, y, sample_weight)
+        shape = self.step_shape(mbatch.batch_size_of(x))
+        objective = self._objective()
+        if not objective.prepared:
+            self._prepare(x, y, sample_weight, shape)
+        _, result = self.forward(x, shape)
+        partial = np.zeros(2 * len(objective.terms))
+        if self.is_last_rank and result.outputs:
+            ys = mbatch.take_rows((y, sample_weight), shape.start, shape.stop)
+            records = []
+            start = 0
+            for i, mb in enumerate(result.microbatches):
+                yi, wi = mbatch.take_rows(ys, start, start + mb.size)
+                start += mb.size
+                pred = self.traced.pack_outputs(result.outputs[i])
+                rec = objective.call(_to_tensors(yi), pred, _to_tensors(wi))
+                records.append((np.asarray([float(n) for n in rec.numerators]),
+                                np.asarray([float(d) for d in rec.normalizers]), mb.size))
+                mb.y, mb.sample_weight = _to_tensors(yi), _to_tensors(wi)
+            partial = objective.partial(records, shape.rows)
+        layer = float(sum(float(v) for v in result.layer_losses.values()))
+        reg = self._regularization_value()
+        with _watched("every rank's evaluation losses (an allgather)"):
+            report = self.comm.world.allgather_obj((partial, layer, reg))
+        summed = np.sum([r[0] for r in report], axis=0) if len(partial) else partial
+        result.term_values = objective.values(summed)
+        result.loss = (objective.total(result.term_values)
+                       + sum(r[1] for r in report) + sum(r[2] for r in report))
+        return result
+
+    def _objective(self) -> Objective:
+        if self.objective is None:
+            raise StepError(
+                f"{self.rank_tag} Training and evaluating need a compiled loss. Received: a "
+                f"model compiled without one. Call model.compile(optimizer=..., loss=...).")
+        return self.objective
+
+    def _regularization_value(self) -> float:
+        """The weight regularizers' value of the variables this rank writes (each counted once
+        in the job), for the loss Keras reports."""
+        if not self._layer_losses:
+            return 0.0
+        mine = [v for v, counted in zip(self.variables, self._counted_here())
+                if counted and self.comm.data.rank == 0 and getattr(v, "regularizer", None)]
+        return float(ll.regularization(mine)) if mine else 0.0
 
     # -- reduction and optimizer ---------------------------------------------------------------
 
@@ -381,19 +592,25 @@ class Engine:
     # -- StepHooks ([Note: one driver] in tfsmp/runtime/hooks.py) ------------------------------
 
     def reduce(self, stage: int, result: StageResult) -> None:
-        """REDUCE: sums ``stage``'s gradients over its data-parallel replicas."""
+        """REDUCE: sums ``stage``'s gradients over its data-parallel replicas (sparse ones
+        combined as the whole batch's, [Note: sparse structure] in gradients.py)."""
         prog = self.programs[stage]
+        grads = result.grads
         if self.dp_size > 1:
             self._sync_statistics(stage)
-        accs = [a for i, a in enumerate(prog.accumulators) if i not in result.sparse]
-        if self.dp_size == 1 or not prog.accumulators:
+        if self.dp_size == 1 or not prog.trainable:
             return
-        if result.sparse:  # concatenate every replica's rows, in replica (= batch) order
-            mine = {i: (v.numpy(), x.numpy()) for i, (v, x) in concat_sparse(result.sparse).items()}
-            gathered = self.comm.data.allgather_obj(mine)
-            result.sparse.clear()  # in place: tied copies read the same parts
-            result.sparse.update({i: [(tf.constant(g[i][0]), tf.constant(g[i][1]))
-                                      for g in gathered] for i in mine})
+        sparse = set(grads.sparse_indices())
+        # a variable is sparse on every replica or on none: the same graph, and zero rows
+        # still give an (empty) IndexedSlices; replicas without rows add their zeros densely
+        with _watched(f"the sparse gradients of stage {stage} (an allgather)"):
+            gathered = self.comm.data.allgather_obj(grads.host_sparse())
+        sparse |= {i for g in gathered for i in g}
+        if sparse:
+            grads.combine_replicas(
+                [{i: (tf.constant(v), tf.constant(x)) for i, (v, x) in g.items()} for g in gathered
+                 if g])
+        accs = [a for i, a in enumerate(grads.accumulators) if i not in sparse]
         if self._horovod is not None:
             summed = self._horovod.grouped_allreduce([a.value() for a in accs],
                                                      name=f"tfsmp_grads_stage{stage}")
@@ -403,22 +620,68 @@ class Engine:
         if accs:
             self._allreduce_sum(accs, f"the data-parallel allreduce of stage {stage}'s gradients")
 
-    def _all_finite(self, result: StepResult) -> bool:
-        """[Note: consistent skips] Whether every gradient of every rank is finite. All ranks
-        decide together (one small allgather), so an update is applied or skipped everywhere
-        alike and loss-scale state stays identical across ranks."""
+    def _report(self, result: StepResult) -> tuple[bool, list[Any]]:
+        """This rank's finiteness and loss parts, and every rank's, in one allgather ([Note:
+        consistent skips]): an update is applied or skipped everywhere alike, and every rank
+        learns the step's loss."""
         stages = result.stages.values()
-        ok = all(r.finite for r in stages) and all(
-            bool(tf.reduce_all(tf.math.is_finite(v))) for r in stages
-            for parts in r.sparse.values() for v, _ in parts)
-        bad_mb = sorted(i for i, loss in result.losses.items() if not np.isfinite(float(loss)))
+        ok = all(r.finite for r in stages)
         first = {r.stage: r.first_nonfinite for r in stages if r.first_nonfinite is not None}
-        with _watched("every rank's finite-gradient flag (an allgather)"):
-            report = self.comm.world.allgather_obj((ok, first, bad_mb))
-        if all(r[0] for r in report) and not any(r[2] for r in report):
-            return True
-        if self._loss_scaled or self.config.nonfinite == "skip":
-            return False
+        partial = np.zeros(0)
+        bad_mb: list[int] = []
+        if self.objective is not None and self.objective.prepared and result.records:
+            shape = self._step_shape
+            records = []
+            for i in sorted(result.records):
+                n, d, _ = result.records[i]
+                n, d = np.asarray(n), np.asarray(d)
+                if not (np.isfinite(n).all() and np.isfinite(d).all()):
+                    bad_mb.append(i)
+                records.append((n, d, result.microbatches[i].size))
+            partial = self.objective.partial(records, shape.rows)
+        layer = float(sum(float(v) for r in stages for v in r.grads.losses.values()))
+        reg = self._regularization_value()
+        with _watched("every rank's finite-gradient flag and loss parts (an allgather)"):
+            report = self.comm.world.allgather_obj((ok, first, bad_mb, partial, layer, reg))
+        return all(r[0] for r in report) and not any(r[2] for r in report), report
+
+    def _losses(self, result: StepResult, report: list[Any]) -> float:
+        """Fills ``result.loss`` and ``result.term_values`` from every rank's parts; returns
+        the factor the gradients are multiplied by ([Note: loss numerators] in objective.py)."""
+        if self.objective is None or not self.objective.prepared:
+            return 1.0
+        parts = [r[3] for r in report if len(r[3])]
+        summed = np.sum(parts, axis=0) if parts else np.zeros(2 * len(self.objective.terms))
+        result.term_values = self.objective.values(summed)
+        result.loss = (self.objective.total(result.term_values) + sum(r[4] for r in report)
+                       + sum(r[5] for r in report))
+        return self.objective.deferred_factor(summed)
+
+    def apply(self, result: StepResult) -> None:
+        """STEP: applies the optimizer to this rank's variables, or skips the update on every
+        rank alike when some gradient or loss is not finite."""
+        finite, report = self._report(result)
+        factor = self._losses(result, report)
+        if not finite:
+            self._nonfinite(report)
+            return
+        self.ties.reduce()  # sum tied copies' gradients over their stages, before the step
+        if not self.variables or self._bridge is None:
+            return
+        sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
+        for j, (_, s, i) in enumerate(self._unique):
+            found = self.programs[s].grads.sparse.get(i)
+            if found is not None:
+                sparse[str(j)] = found
+        accs = [self.programs[s].grads.accumulators[i] for _, s, i in self._unique]
+        self._bridge.apply(accs, sparse, factor)
+
+    def _nonfinite(self, report: list[Any]) -> None:
+        """[Note: consistent skips] Skips the update on every rank, or raises on every rank."""
+        self.skipped_steps += 1  # the next step starts from fresh accumulators
+        if (self._bridge is not None and self._bridge.on_nonfinite()) or \
+                self.config.nonfinite == "skip":
+            return
         grads = {s: i for r in report for s, i in r[1].items()}
         mbs = sorted({i for r in report for i in r[2]})
         where = ", ".join(f"stage {s} from microbatch {i}" for s, i in sorted(grads.items()))
@@ -428,40 +691,11 @@ class Engine:
             f"Lower the learning rate, check the data, or set nonfinite='skip' to skip such "
             f"updates on every rank.")
 
-    def apply(self, result: StepResult) -> None:
-        """STEP: applies the optimizer to this rank's variables, or skips the update on every
-        rank alike when some gradient is not finite."""
-        if not self._all_finite(result):
-            self.skipped_steps += 1  # the next step starts from fresh accumulators
-            if self._loss_scaled:
-                self.optimizer._stateful_handle_non_finite_grads()
-            return
-        self.ties.reduce()  # sum tied copies' gradients over their stages, before the step
-        if not self.variables:
-            return
-        parts = {s: concat_sparse(result.stages[s].sparse) for s in self.stages}
-        sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {
-            str(j): parts[s][i] for j, (_, s, i) in enumerate(self._unique) if i in parts[s]}
-        if self._apply_fn is None:
-            variables, accs = self.variables, self.accumulators
-            optimizer = self.optimizer
-            apply_grads = (optimizer._stateful_handle_finite_grads if self._loss_scaled
-                           else optimizer.apply)
-
-            def apply(sparse: dict[str, tuple[tf.Tensor, tf.Tensor]]) -> None:
-                grads: list[Any] = []
-                for i, a in enumerate(accs):
-                    if str(i) in sparse:
-                        values, indices = sparse[str(i)]
-                        grads.append(tf.IndexedSlices(values, indices, tf.shape(a, tf.int64)))
-                    else:
-                        grads.append(a.value())
-                apply_grads(grads, variables)
-
-            self._apply_fn = tf.function(apply, jit_compile=bool(self.config.xla),
-                                         reduce_retracing=True)
-        self._apply_fn(sparse)
-
+    def finalize(self) -> None:
+        """What Keras does at the end of ``fit``: the optimizer's final variable values (its
+        exponential moving averages, with ``use_ema``) on every rank's own variables."""
+        if self.optimizer is not None and self.variables:
+            self.optimizer.finalize_variable_values(self.variables)
 
 
 class _FusedReducer:
@@ -513,8 +747,5 @@ def _watched(what: str) -> Any:
 def _to_tensors(structure: Any) -> Any:
     if structure is None:
         return None
-    if isinstance(structure, dict):
-        return {k: _to_tensors(v) for k, v in structure.items()}
-    if isinstance(structure, (list, tuple)):
-        return type(structure)(_to_tensors(v) for v in structure)
-    return tf.convert_to_tensor(structure)
+    return tree.map_structure(tf.convert_to_tensor, structure)
+

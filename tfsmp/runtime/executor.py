@@ -54,12 +54,18 @@ class MicroBatch:
     y: Any = None
     sample_weight: Any = None
     size: int = 0
+    consts: Any = None  # the microbatch's constants vector (`tfsmp.runtime.objective.Consts`)
 
 
 @dataclass
 class StepResult:
-    losses: dict[int, tf.Tensor] = field(default_factory=dict)   # microbatch -> loss (last stage)
+    # microbatch -> (loss numerators, normalizers, layer loss) of the last stage (training)
+    records: dict[int, tuple[Any, Any, Any]] = field(default_factory=dict)
     outputs: dict[int, list[tf.Tensor]] = field(default_factory=dict)  # microbatch -> outputs
+    layer_losses: dict[int, Any] = field(default_factory=dict)  # inference: microbatch -> sum
+    microbatches: list[MicroBatch] = field(default_factory=list)  # what the step ran on
+    loss: float = 0.0  # the batch's loss as Keras reports it (filled at STEP, or by evaluate)
+    term_values: list[float] = field(default_factory=list)  # each compiled-loss term's value
     max_held: int = 0  # peak microbatches whose activations a rank held
     # training steps: what each of this rank's stages produced ([Note: one driver] in hooks.py)
     stages: dict[int, StageResult] = field(default_factory=dict)
@@ -333,7 +339,7 @@ class Executor:
                 prog.begin_step(mode)
         if self.shapes is not None:  # every rank alike, from the inputs, before any message
             self.mb_shapes = self._resolve_shapes(microbatches)
-        self.result = StepResult()
+        self.result = StepResult(microbatches=list(microbatches))
         self.posted = {}
         self.mailbox: dict[tuple[str, int, int, int], list[tf.Tensor]] = {}
         self.received: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
@@ -486,17 +492,22 @@ class Executor:
             self.result.outputs[a.microbatch] = self.head(a.microbatch, prog, inputs, recv, mb)
             sends: list[tf.Tensor] = []
         elif prog.is_last and self.train:
-            loss, outputs = prog.forward_backward_last(a.microbatch, inputs, recv, mb.y, mb.sample_weight)
-            self.result.losses[a.microbatch] = loss
+            record, outputs = prog.forward_backward_last(a.microbatch, inputs, recv, mb.y,
+                                                         mb.sample_weight, mb.consts)
+            self.result.records[a.microbatch] = record
             self.result.outputs[a.microbatch] = outputs
             sends = []
         elif self.train:
-            sends = prog.forward(a.microbatch, inputs, recv)
+            sends = prog.forward(a.microbatch, inputs, recv, mb.consts)
             self.result.max_held = max(self.result.max_held, prog.held_microbatches())
         else:
-            sends, outputs = prog.evaluate(inputs, recv)
+            out = prog.evaluate(inputs, recv, consts=mb.consts)
+            sends = out.sends
             if prog.is_last:
-                self.result.outputs[a.microbatch] = outputs
+                self.result.outputs[a.microbatch] = out.outputs
+            mine = self.result.layer_losses
+            mine[a.microbatch] = mine[a.microbatch] + out.layer_loss if a.microbatch in mine \
+                else out.layer_loss
         self.produced[(a.stage, a.microbatch)] = {b.index: t for b, t in zip(prog.send, sends)}
 
     def _send_forward(self, a: Any) -> None:

@@ -2,7 +2,7 @@
 
 Example::
 
-    step = OneCallStep(program, variables, indices, optimizer, loss, rank_tag="[rank 0]")
+    step = OneCallStep(program, variables, indices, optimizer, objective, rank_tag="[rank 0]")
     result = step.run(microbatch, step_number=1, nonfinite="raise")
 
 [Note: one-call step] With one pipeline rank, one stage, one microbatch and one data-parallel
@@ -14,7 +14,7 @@ each a full pass over every gradient: about 5-8% of a Dense(1024)x8 step at batc
 gradients and ``optimizer.apply``. This step is that call plus the finiteness check of
 [Note: consistent skips] (engine.py), folded into the same graph: the update runs under
 ``tf.cond`` on the flag, so a non-finite step changes no variable, as the executor path's skip
-does. The gradients are exactly the fused last stage's (same loss, scale 1 = 1/(m*d), zeros for
+does. The gradients are exactly the fused last stage's (the same loss terms, one part, zeros for
 unconnected variables), so the result equals the executor path bit for bit.
 
 [Note: cheap finiteness] A sum is non-finite whenever one of its terms is (NaN propagates; an
@@ -25,10 +25,10 @@ could also cause by overflowing, pays for the exact element-wise test.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+from keras.src.backend import get_keras_mask, set_keras_mask
 
 from tfsmp.errors import StepError
 from tfsmp.runtime.executor import MicroBatch, StepResult
@@ -63,7 +63,7 @@ class OneCallStep:
         variables: list[Any],
         indices: list[int],
         optimizer: Any,
-        loss: Callable[..., tf.Tensor],
+        objective: Any,
         *,
         rank_tag: str,
         relax_shapes: bool = False,
@@ -73,7 +73,7 @@ class OneCallStep:
         self.variables = variables
         self.indices = indices
         self.optimizer = optimizer
-        self.loss = loss
+        self.objective = objective
         self.rank_tag = rank_tag
         self._fn = tf.function(self._step_fn, reduce_retracing=relax_shapes)
 
@@ -84,25 +84,28 @@ class OneCallStep:
             call.run(env, training=True)
         return [env[k] for k in prog.output_keys]
 
-    def _step_fn(self, inputs: list[tf.Tensor], y: Any, sample_weight: Any
-                 ) -> tuple[tf.Tensor, list[tf.Tensor], tf.Tensor, tf.Tensor]:
+    def _step_fn(self, inputs: list[tf.Tensor], y: Any, sample_weight: Any, consts: tf.Tensor
+                 ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor], list[Any], tf.Tensor, tf.Tensor]:
         trainable = self.program.trainable
         with tf.GradientTape() as tape:
             outputs = self._forward(inputs)
-            loss = self.loss(y, self.program.traced.pack_outputs(outputs), sample_weight)
-            scaled = tf.cast(loss, tf.float32)  # times the scale 1/(m*d) = 1
-        grads = tape.gradient(scaled, [v.value for v in trainable],
+            terms = self.objective.call(y, self.program.traced.pack_outputs(outputs), sample_weight)
+            loss = self.objective.backprop(terms, consts)  # one part: exactly Keras's loss
+        grads = tape.gradient(loss, [v.value for v in trainable],
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         ordered = [grads[i] for i in self.indices]
         loss_ok = tf.reduce_all(tf.math.is_finite(loss))
         grads_ok = all_finite(ordered)
 
         def apply() -> tf.Tensor:
-            self.optimizer.apply(ordered, self.variables)
+            self.optimizer.apply_gradients(zip(ordered, self.variables))
             return tf.constant(True)
 
         tf.cond(tf.logical_and(loss_ok, grads_ok), apply, lambda: tf.constant(False))
-        return loss, outputs, loss_ok, grads_ok
+        numerators = tf.stack([tf.cast(n, tf.float32) for n in terms.numerators])
+        normalizers = tf.stack([tf.cast(d, tf.float32) for d in terms.normalizers])
+        masks = [get_keras_mask(t) for t in outputs]
+        return numerators, normalizers, outputs, masks, loss_ok, grads_ok
 
     def run(self, mb: MicroBatch, *, step_number: int, nonfinite: str,
             tracer: Any = None) -> tuple[StepResult, bool]:
@@ -113,14 +116,22 @@ class OneCallStep:
                 changed), worded as the executor path's [Note: consistent skips].
         """
         inputs = [mb.inputs[k] for k in self.program.input_keys]
+        args = (inputs, mb.y, mb.sample_weight, mb.consts)
         if tracer is None:
-            loss, outputs, loss_ok, grads_ok = self._fn(inputs, mb.y, mb.sample_weight)
+            n, d, outputs, masks, loss_ok, grads_ok = self._fn(*args)
         else:  # one span: the compiled call holds forward, backward and the optimizer step
             with tracer.event(f"{self.program.stage}F0", "F"):
-                loss, outputs, loss_ok, grads_ok = self._fn(inputs, mb.y, mb.sample_weight)
+                n, d, outputs, masks, loss_ok, grads_ok = self._fn(*args)
             with tracer.event(f"{self.program.stage}STEP", "STEP"):
                 pass
-        result = StepResult(losses={0: loss}, outputs={0: list(outputs)})
+        outputs = list(outputs)
+        for t, m in zip(outputs, masks):
+            if m is not None:
+                set_keras_mask(t, m)
+        result = StepResult(outputs={0: outputs})
+        summed = self.objective.partial([(n.numpy(), d.numpy(), mb.size)], mb.size)
+        result.term_values = self.objective.values(summed)
+        result.loss = self.objective.total(result.term_values)
         loss_ok, grads_ok = bool(loss_ok), bool(grads_ok)
         if (loss_ok and grads_ok) or nonfinite == "skip":
             return result, loss_ok and grads_ok

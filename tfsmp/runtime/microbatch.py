@@ -9,7 +9,7 @@ import numpy as np
 
 from tfsmp.errors import StepError
 
-__all__ = ["batch_size_of", "merge", "split", "take_rows"]
+__all__ = ["batch_size_of", "merge", "split", "split_sizes", "take_rows"]
 
 # i: microbatch, m: number of microbatches, b: batch size, d: data-parallel replicas
 
@@ -58,6 +58,15 @@ def take_rows(structure: Any, start: int, stop: int, axis: int = 0) -> Any:
         index[axis] = slice(start, stop)
         return leaf[tuple(index)]
     return _map(cut, structure)
+
+
+def split_sizes(rows: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` consecutive pieces of ``rows`` rows, as even as can be (the first
+    ``rows % parts`` pieces one row larger, as ``np.array_split``); 0 parts: none."""
+    if parts <= 0:
+        return []
+    base, extra = divmod(rows, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def split(structure: Any, num_microbatches: int, axis: int = 0, what: str = "batch") -> list[Any]:

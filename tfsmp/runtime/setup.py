@@ -7,6 +7,7 @@ from typing import Any
 from tfsmp.errors import PartitionError
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.runtime.engine import Engine
+from tfsmp.runtime.objective import Objective
 from tfsmp.schedule.placement import Placement
 
 __all__ = ["build_engine", "make_plan", "make_schedule"]
@@ -63,11 +64,15 @@ def _rows(sample_x: Any) -> int | None:
     return int(rows) if isinstance(rows, int) and rows > 0 else None
 
 
-def make_schedule(plan: StagePlan, config: Any, data_parallel: bool) -> dict[int, list[Any]]:
+def make_schedule(plan: StagePlan, config: Any, data_parallel: bool,
+                  microbatches: int | None = None) -> dict[int, list[Any]]:
+    """Every rank's lowered training actions for a step of ``microbatches`` (default: the
+    config's) microbatches."""
     from tfsmp.schedule.generators import fuse_last_stage, generate
     from tfsmp.schedule.lowering import lower
 
-    compute = fuse_last_stage(generate(config.pipeline, config.partitions, config.microbatches,
+    m = microbatches or config.microbatches
+    compute = fuse_last_stage(generate(config.pipeline, config.partitions, m,
                                        virtual_stages=config.chunks,
                                        active_microbatches=config.active_microbatches))
     placement = Placement.for_pipeline(config.pipeline, config.partitions, config.chunks)
@@ -86,9 +91,8 @@ def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int]) -> None:
     release([v for v in others if not is_deferred(v)])
 
 
-def build_engine(model: Any, sample_x: Any, state: Any, *, loss: Any, optimizer: Any,
-                 loss_reduction: str, rank_tag: str, subclassed: bool,
-                 profile_batch: Any = None) -> Engine:
+def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, optimizer: Any,
+                 rank_tag: str, subclassed: bool, profile_batch: Any = None) -> Engine:
     from tfsmp.graph.scopes import assignment, recording
     from tfsmp.graph.tracer import trace
 
@@ -109,12 +113,16 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, loss: Any, optimizer:
     placement = Placement.for_pipeline(config.pipeline, config.partitions, config.chunks)
     stages = placement.stages(state.comm.pipeline.rank)
     _take_own_stage(traced, plan, stages)
-    schedule = make_schedule(plan, config, data_parallel=state.comm.data.size > 1)
+    data_parallel = state.comm.data.size > 1
+
+    def schedules(m: int) -> dict[int, list[Any]]:
+        return make_schedule(plan, config, data_parallel, microbatches=m)
+
     tracer = None
     if config.trace_dir:
         from tfsmp.timeline.events import Tracer
 
         tracer = Tracer(config.trace_dir, state.rank)
-    return Engine(traced, plan, schedule, config=config, comm=state.comm, rank_tag=rank_tag,
-                  loss=loss, optimizer=optimizer, loss_reduction=loss_reduction, tracer=tracer,
-                  horovod=state.horovod)
+    objective = Objective(compile_loss) if compile_loss is not None else None
+    return Engine(traced, plan, schedules, config=config, comm=state.comm, rank_tag=rank_tag,
+                  objective=objective, optimizer=optimizer, tracer=tracer, horovod=state.horovod)

@@ -2,14 +2,21 @@
 
 Example::
 
-    program = StageProgram(traced, plan, stage=1, optimize="memory", loss=loss_fn, scale=1/8)
-    sends = program.forward(0, inputs, recv)       # stashes what backward needs
-    grads_to_producers = program.backward(0, dys)  # accumulates dW into program.accumulators
+    program = StageProgram(traced, plan, stage=1, optimize="memory", objective=objective)
+    sends = program.forward(0, inputs, recv, consts)  # stashes what backward needs
+    grads_to_producers = program.backward(0, dys)     # accumulates dW into program.grads
 
 [Note: stashing] ``optimize: speed`` keeps the GradientTape of every microbatch in flight, so
 backward replays the forward function's stored activations (measured at 1.23× the time of one
 fused forward-backward call); ``optimize: memory`` keeps only the stage's input tensors and
 recomputes the forward inside a compiled backward (1.49×). The last stage fuses forward, loss and backward in one compiled call.
+
+[Note: what a stage differentiates] A stage's backward differentiates its sends against the
+gradients it received plus its own layers' losses ([Note: decomposable losses] in
+layer_losses.py), both times the step's loss scale; the last stage differentiates its share of
+the compiled loss ([Note: loss numerators] in objective.py) plus its layers' losses. Every
+program takes the microbatch's constants vector (`objective.Consts`) as an input, so the same
+trace serves every step and every microbatch size.
 
 [Note: recompute state] A recomputed forward must see the state the original forward saw:
 dropout seed-generator states, and BatchNormalization moving statistics must not be updated
@@ -39,13 +46,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
+from keras.src.backend import get_keras_mask, set_keras_mask
 
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime import deferred
+from tfsmp.runtime import layer_losses as ll
+from tfsmp.runtime.gradients import CONCAT, SUM, GradientState
 from tfsmp.runtime.hooks import StageResult, StepMode
+from tfsmp.runtime.objective import Consts, Objective
 
-__all__ = ["StageProgram", "concat_sparse", "is_differentiable"]
+__all__ = ["EvalOutput", "StageProgram", "is_differentiable"]
 
 
 def is_differentiable(dtype: str) -> bool:
@@ -54,7 +65,7 @@ def is_differentiable(dtype: str) -> bool:
 
 def _accumulate_into(acc: tf.Variable, g: tf.Tensor, first: bool) -> tf.Tensor:
     """``acc = g`` for the step's first microbatch, else ``acc += g`` ([Note: fresh
-    accumulators]); returns whether the result is finite ([Note: finite flags])."""
+    accumulators] in gradients.py); returns whether the result is finite ([Note: finite flags])."""
     if first:
         new = acc.assign(tf.cast(g, acc.dtype))
     else:
@@ -67,11 +78,23 @@ def _all(flags: list[tf.Tensor]) -> tf.Tensor:
 
 
 @dataclass
+class EvalOutput:
+    """A forward without stashing: what to send, the model outputs on the last stage (their
+    Keras masks attached), and this microbatch's share of the stage's layer losses."""
+
+    sends: list[tf.Tensor]
+    outputs: list[tf.Tensor]
+    layer_loss: tf.Tensor
+
+
+@dataclass
 class _Stash:
     inputs: list[tf.Tensor]
     recv: list[tf.Tensor]
+    consts: tf.Tensor
     tape: tf.GradientTape | None = None
     sends: list[tf.Tensor] | None = None
+    layer_loss: tf.Tensor | None = None
     state: list[tf.Tensor] | None = None
     recv_grads: list[tf.Tensor] | None = None
     slots: list[tf.Tensor] | None = None  # [Note: split stages]
@@ -98,11 +121,10 @@ class StageProgram:
         stage: int,
         *,
         optimize: str = "memory",
-        loss: Callable[..., tf.Tensor] | None = None,
+        objective: Objective | None = None,
         jit_compile: bool = False,
         relax_shapes: bool = False,
         split: bool = False,
-        loss_scaler: Callable[[tf.Tensor], tf.Tensor] | None = None,
     ) -> None:
         self.stage = stage
         self.is_last = stage == plan.num_stages - 1
@@ -117,25 +139,15 @@ class StageProgram:
         self.output_keys = list(traced.output_keys) if self.is_last else []
         self.trainable = [v for v in traced.variables_of(names) if v.trainable]
         self.non_trainable = [v for v in traced.variables_of(names) if not v.trainable]
-        self.accumulators = [
-            tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False,
-                        name=f"acc_{stage}_{i}") for i, v in enumerate(self.trainable)]
-        # [Note: fresh accumulators] The first microbatch of a step *assigns* its weight
-        # gradients and later ones add to them, so accumulators are never zeroed: 0 + g == g
-        # exactly, and this saves a read and a write of every gradient per step.
-        self.fresh = True
-        self.fresh_w = True  # the same for the deferred half ([Note: split stages])
-        # [Note: sparse gradients] Embedding-like layers get tf.IndexedSlices gradients, which
-        # Keras optimizers apply lazily (only the rows present). Accumulating them densely would
-        # change Adam's result, so their (values, indices) are kept per microbatch and
-        # concatenated in batch order; the full batch's IndexedSlices is exactly that.
-        self.sparse_parts: dict[int, list[tuple[tf.Tensor, tf.Tensor]]] = {}
+        self.grads = GradientState(stage, self.trainable)  # [Note: gradient state]
         self._diff_recv = [i for i, b in enumerate(self.recv) if is_differentiable(b.dtype)]
         self._diff_send = [i for i, b in enumerate(self.send) if is_differentiable(b.dtype)]
-        self._loss = loss
+        self.objective = objective
         self._stash: dict[int, _Stash] = {}
-        self.scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name=f"scale_{stage}")
-        self.loss_scaler = loss_scaler  # mixed_float16: the optimizer's scale_loss
+        # [Note: decomposable losses] in layer_losses.py: per call, the rule of each loss it adds
+        self.loss_rules: dict[int, list[str | None] | None] = {}
+        self.unmeasured: set[str] = set()  # layers whose losses appeared without a known rule
+        self._sparse_measured = False
         # [Note: relaxed shapes] With inputs whose shapes vary between batches (sequence
         # lengths), a program traces for the first shape and once more, with the varying
         # dimensions relaxed to None, at the second; every later shape, new or seen, reuses a
@@ -143,6 +155,7 @@ class StageProgram:
         def compile_fn(f: Callable[..., Any]) -> Any:
             return tf.function(f, jit_compile=jit_compile or None, reduce_retracing=relax_shapes)
 
+        self._compile_fn = compile_fn
         self._fwd = compile_fn(self._forward_fn)
         self._bwd_recompute = compile_fn(self._backward_recompute_fn)
         self._fused = compile_fn(self._fused_fn)
@@ -150,11 +163,9 @@ class StageProgram:
         self._fwd_split = compile_fn(self._forward_split_fn)
         self._weight = compile_fn(self._weight_fn)
         self._accumulate = tf.function(self._accumulate_fn)
-        self._flags: list[tuple[int, tf.Tensor]] = []  # [Note: finite flags]
         # [Note: collect mode] `@smp.step` returns every microbatch's gradients (StepOutput),
         # so with `collect` set the weight gradients are kept per microbatch, not summed.
         self.collect = False
-        self.collected: dict[int, list[tf.Tensor]] = {}
         # [Note: split stages]: set when the schedule gives this stage W actions
         self.split = split
         self._weight_work: dict[int, _WeightWork] = {}
@@ -164,19 +175,55 @@ class StageProgram:
         self._deferred: frozenset[int] = frozenset()
         self._index = {id(v): i for i, v in enumerate(self.trainable)}
 
+    @property
+    def accumulators(self) -> list[tf.Variable]:
+        return self.grads.accumulators
+
+    def set_objective(self, objective: Objective | None) -> None:
+        """Trains with another compiled loss from now on: the fused last stage traces anew."""
+        self.objective = objective
+        self._fused = self._compile_fn(self._fused_fn)
+
+    def measure_layer_losses(self) -> bool:
+        """Measures how every loss this stage's layers add combines over microbatches ([Note:
+        decomposable losses]); returns whether any call adds one. Runs once, before training."""
+        for pos, call in enumerate(self.calls):
+            if ll.may_add_losses(call.layer):
+                self.loss_rules[pos] = ll.probe_call(call)
+        return any(rules is None or rules for rules in self.loss_rules.values())
+
     # -- the graph interpreter -----------------------------------------------------------------
 
-    def _run(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool
-             ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+    def _run(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool,
+             consts: tf.Tensor) -> tuple[list[tf.Tensor], list[tf.Tensor], tf.Tensor]:
+        """Runs the stage's calls: (tensors to send, model outputs, layer-loss share)."""
         env: dict[str, Any] = dict(zip(self.input_keys, inputs))
         env.update(zip((b.tensor for b in self.recv), recv))
-        for call in self.calls:
+        frac = Consts.frac(consts)
+        layer_loss = tf.zeros((), tf.float32)
+        for pos, call in enumerate(self.calls):
             call.run(env, training=training)
-        return [env[b.tensor] for b in self.send], [env[k] for k in self.output_keys]
+            if pos in self.loss_rules:
+                added = ll.own_losses(call.layer)
+                rules = self.loss_rules[pos]
+                if added and (rules is None or len(rules) != len(added) or None in rules):
+                    self.unmeasured.add(call.layer_name)
+                    rules = [ll.SUM] * len(added)
+                layer_loss += ll.combine(added, rules or [], frac)
+        return ([env[b.tensor] for b in self.send], [env[k] for k in self.output_keys],
+                layer_loss)
 
     def _sources(self, recv: list[tf.Tensor], slots: list[tf.Tensor] | None = None) -> list[Any]:
         return ([v.value for v in self.trainable] + [recv[i] for i in self._diff_recv]
                 + list(slots or []))
+
+    def _targets(self, sends: list[tf.Tensor], dys: list[tf.Tensor], layer_loss: tf.Tensor,
+                 consts: tf.Tensor) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+        """What a middle stage differentiates ([Note: what a stage differentiates])."""
+        scale = consts[Consts.SCALE]
+        targets = [sends[i] for i in self._diff_send] + [layer_loss]
+        grads = [dys[i] for i in self._diff_send] + [tf.reshape(scale, ())]
+        return targets, grads
 
     def _split_grads(self, grads: list[Any], recv: list[tf.Tensor], collect: bool = False,
                      first: bool = False, defer: bool = False
@@ -197,7 +244,7 @@ class StageProgram:
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
         extras: dict[str, tf.Tensor] = {}
         flags: list[tf.Tensor] = []
-        for i, (acc, g) in enumerate(zip(self.accumulators, grads[:n])):
+        for i, (acc, g) in enumerate(zip(self.grads.accumulators, grads[:n])):
             if i in deferred_vars:
                 if g is not None:
                     extras[str(i)] = tf.convert_to_tensor(g)
@@ -209,10 +256,6 @@ class StageProgram:
                 flags.append(_accumulate_into(acc, g, first))
         return out, sparse, extras, _all(flags)
 
-    def _keep_sparse(self, sparse: dict[str, tuple[tf.Tensor, tf.Tensor]]) -> None:
-        for key, part in sparse.items():
-            self.sparse_parts.setdefault(int(key), []).append(part)
-
     @staticmethod
     def _unconnected(defer: bool) -> tf.UnconnectedGradients:
         """ZERO unsplit; NONE when split, so B can tell which deferred variables other ops read."""
@@ -220,29 +263,31 @@ class StageProgram:
 
     # -- compiled functions --------------------------------------------------------------------
 
-    def _forward_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool
-                    ) -> list[tf.Tensor]:
-        return self._run(inputs, recv, training)[0]
+    def _forward_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool,
+                    consts: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor]:
+        sends, _, layer_loss = self._run(inputs, recv, training, consts)
+        return sends, layer_loss
 
     def _forward_split_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor],
-                          slots: list[tf.Tensor], training: bool
-                          ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+                          slots: list[tf.Tensor], training: bool, consts: tf.Tensor
+                          ) -> tuple[list[tf.Tensor], tf.Tensor, list[tf.Tensor]]:
         with deferred.recording(slots, self._owns) as rec:
-            sends = self._run(inputs, recv, training)[0]
-        return sends, rec.xs
+            sends, _, layer_loss = self._run(inputs, recv, training, consts)
+        return sends, layer_loss, rec.xs
 
     def _backward_recompute_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor],
-                               dys: list[tf.Tensor], state: list[tf.Tensor], collect: bool,
-                               first: bool, slots: list[tf.Tensor] | None = None) -> Any:
+                               dys: list[tf.Tensor], state: list[tf.Tensor], consts: tf.Tensor,
+                               collect: bool, first: bool, slots: list[tf.Tensor] | None = None
+                               ) -> Any:
         current = [tf.identity(v.value) for v in self.non_trainable]
         for v, s in zip(self.non_trainable, state):
             v.assign(s)
         with tf.GradientTape() as tape:
             tape.watch([recv[i] for i in self._diff_recv] + list(slots or []))
             with deferred.recording(slots, self._owns) if slots is not None else _nothing() as rec:
-                sends, _ = self._run(inputs, recv, True)
-        grads = tape.gradient([sends[i] for i in self._diff_send], self._sources(recv, slots),
-                              output_gradients=[dys[i] for i in self._diff_send],
+                sends, _, layer_loss = self._run(inputs, recv, True, consts)
+        targets, output_grads = self._targets(sends, dys, layer_loss, consts)
+        grads = tape.gradient(targets, self._sources(recv, slots), output_gradients=output_grads,
                               unconnected_gradients=self._unconnected(slots is not None))
         for v, c in zip(self.non_trainable, current):
             v.assign(c)
@@ -253,30 +298,32 @@ class StageProgram:
         return (*split, rec.xs, _zeros_for_none(grads[k:], slots))  # type: ignore[union-attr]
 
     def _fused_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], y: Any, sample_weight: Any,
-                  first: bool, slots: list[tf.Tensor] | None = None) -> Any:
+                  consts: tf.Tensor, first: bool, slots: list[tf.Tensor] | None = None) -> Any:
         with tf.GradientTape() as tape:
             tape.watch([recv[i] for i in self._diff_recv] + list(slots or []))
             with deferred.recording(slots, self._owns) if slots is not None else _nothing() as rec:
-                _, outputs = self._run(inputs, recv, True)
-            loss = self._loss(y, self.traced.pack_outputs(outputs), sample_weight)  # type: ignore[misc]
-            scaled = tf.cast(loss, tf.float32) * self.scale
-            if self.loss_scaler is not None:
-                scaled = self.loss_scaler(scaled)
+                _, outputs, layer_loss = self._run(inputs, recv, True, consts)
+            terms = self.objective.call(y, self.traced.pack_outputs(outputs), sample_weight)  # type: ignore[union-attr]
+            total = self.objective.backprop(terms, consts) + layer_loss  # type: ignore[union-attr]
+            scaled = total * consts[Consts.SCALE]
         grads = tape.gradient(scaled, self._sources(recv, slots),
                               unconnected_gradients=self._unconnected(slots is not None))
         k = len(self.trainable) + len(self._diff_recv)
         split = self._split_grads(grads[:k], recv, first=first, defer=slots is not None)
+        record = (_stack(terms.numerators), _stack(terms.normalizers), layer_loss)
+        masks = _masks_of(outputs)
         if slots is None:
-            return loss, outputs, split
-        return loss, outputs, split, rec.xs, _zeros_for_none(grads[k:], slots)  # type: ignore[union-attr]
+            return record, outputs, masks, split
+        return record, outputs, masks, split, rec.xs, _zeros_for_none(grads[k:], slots)  # type: ignore[union-attr]
 
-    def _eval_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool = False
-                 ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
-        return self._run(inputs, recv, training)
+    def _eval_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool,
+                 consts: tf.Tensor) -> tuple[list[tf.Tensor], list[tf.Tensor], list[Any], tf.Tensor]:
+        sends, outputs, layer_loss = self._run(inputs, recv, training, consts)
+        return sends, outputs, _masks_of(outputs), layer_loss
 
     def _accumulate_fn(self, grads: list[tf.Tensor | None], first: bool) -> tf.Tensor:
         return _all([_accumulate_into(acc, g, first)
-                     for acc, g in zip(self.accumulators, grads) if g is not None])
+                     for acc, g in zip(self.grads.accumulators, grads) if g is not None])
 
     def _weight_fn(self, xs: list[tf.Tensor], dys: list[tf.Tensor], extras: dict[str, tf.Tensor],
                    first: bool) -> tf.Tensor:
@@ -285,20 +332,16 @@ class StageProgram:
         pairs = deferred.weight_gradients(self._deferred_layers or [], xs, dys)
         for i, (_, g) in zip(self._deferred_vars, pairs):
             sums[i] = sums[i] + g if i in sums else g
-        return _all([_accumulate_into(self.accumulators[i], sums[i], first) for i in sorted(sums)])
-
-    def _take_fresh(self) -> bool:
-        """Whether this microbatch is the step's first to write the accumulators (and from now
-        on, not)."""
-        first, self.fresh = self.fresh, False
-        return first
+        accs = self.grads.accumulators
+        return _all([_accumulate_into(accs[i], sums[i], first) for i in sorted(sums)])
 
     # -- split stages --------------------------------------------------------------------------
 
     def _splitting(self) -> bool:
         return self.split and not self.collect
 
-    def _slots(self, inputs: list[tf.Tensor], recv: list[tf.Tensor]) -> list[tf.Tensor]:
+    def _slots(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor
+               ) -> list[tf.Tensor]:
         """Zero slots of this microbatch's input shapes ([Note: split backward])."""
         key = tuple((tuple(t.shape), t.dtype) for t in (*inputs, *recv))
         slots = self._slot_cache.get(key)
@@ -306,7 +349,7 @@ class StageProgram:
             if len(self._slot_cache) >= 8:  # varying lengths: bound what is kept
                 self._slot_cache.clear()
             deferred.install()
-            rec = deferred.discover(lambda: self._run(inputs, recv, True), self._owns)
+            rec = deferred.discover(lambda: self._run(inputs, recv, True, consts), self._owns)
             self._adopt(rec.layers)
             slots = self._slot_cache[key] = [tf.zeros(s, d) for s, d in zip(rec.shapes, rec.dtypes)]
         return slots
@@ -338,24 +381,70 @@ class StageProgram:
         self._weight_work[i] = _WeightWork(list(xs), list(dys),
                                            {int(k): g for k, g in extras.items()})
 
+    # -- sparse structure ----------------------------------------------------------------------
+
+    def _keep_sparse(self, i: int, sparse: dict[str, tuple[tf.Tensor, tf.Tensor]],
+                     inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor) -> None:
+        if sparse and not self._sparse_measured:
+            self.grads.rules.update(self._measure_sparse(inputs, recv, consts,
+                                                         sorted(int(k) for k in sparse)))
+        self.grads.add_sparse(i, sparse)
+
+    def _measure_sparse(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor,
+                        indices: list[int]) -> dict[int, str]:
+        """Whether each sparse gradient's slices follow the batch's rows or not ([Note: sparse
+        structure] in gradients.py): its slice count for a microbatch and for that microbatch
+        repeated twice, measured once per stage in inference mode (no state changes)."""
+        self._sparse_measured = True
+        counts: dict[int, list[int]] = {i: [] for i in indices}
+        for reps in (1, 2):
+            ins = [tf.concat([t] * reps, 0) for t in inputs]
+            rv = [tf.concat([t] * reps, 0) for t in recv]
+            with tf.GradientTape() as tape:
+                out = self._eval(ins, rv, False, consts)
+                target = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
+                                   for t in (*out[0], *out[1]) if t.dtype.is_floating]
+                                  or [tf.zeros(())])
+            grads = tape.gradient(target, [self.trainable[i].value for i in indices])
+            for i, g in zip(indices, grads):
+                counts[i].append(int(g.indices.shape[0]) if isinstance(g, tf.IndexedSlices) else -1)
+        rules: dict[int, str] = {}
+        for i, (one, two) in counts.items():
+            if one < 0 or two == 2 * one:
+                rules[i] = CONCAT
+            elif two == one:
+                rules[i] = SUM
+            else:
+                raise StepError(
+                    f"A variable read by a lookup must be read either once per sample or "
+                    f"independently of the batch, for tfsmp to split the batch. Received: "
+                    f"{self.grads._name(i)} on stage {self.stage} is read both ways ({one} rows "
+                    f"for a microbatch, {two} for twice its samples). Use microbatches=1 with "
+                    f"one replica, or read the table through two layers.")
+        return rules
+
     # -- what the executor calls ---------------------------------------------------------------
 
-    def forward(self, i: int, inputs: list[tf.Tensor], recv: list[tf.Tensor]) -> list[tf.Tensor]:
+    def forward(self, i: int, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor
+                ) -> list[tf.Tensor]:
         """Training forward of microbatch ``i``; returns the tensors to send (boundary order)."""
-        slots = self._slots(inputs, recv) if self._splitting() else None
+        slots = self._slots(inputs, recv, consts) if self._splitting() else None
         if self.optimize == "speed":
             tape = tf.GradientTape()
             with tape:
                 tape.watch([recv[i2] for i2 in self._diff_recv] + list(slots or []))
                 if slots is None:
-                    sends, xs = self._fwd(inputs, recv, True), None
+                    (sends, layer_loss), xs = self._fwd(inputs, recv, True, consts), None
                 else:
-                    sends, xs = self._fwd_split(inputs, recv, slots, True)
-            self._stash[i] = _Stash(inputs, recv, tape=tape, sends=sends, slots=slots, xs=xs)
+                    sends, layer_loss, xs = self._fwd_split(inputs, recv, slots, True, consts)
+            self._stash[i] = _Stash(inputs, recv, consts, tape=tape, sends=sends,
+                                    layer_loss=layer_loss, slots=slots, xs=xs)
+            self.grads.losses[i] = layer_loss
             return list(sends)
         state = [tf.identity(v.value) for v in self.non_trainable]
-        sends = self._fwd(inputs, recv, True)
-        self._stash[i] = _Stash(inputs, recv, state=state, slots=slots)
+        sends, layer_loss = self._fwd(inputs, recv, True, consts)
+        self.grads.losses[i] = layer_loss
+        self._stash[i] = _Stash(inputs, recv, consts, state=state, slots=slots)
         return list(sends)
 
     def backward(self, i: int, dys: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -368,25 +457,24 @@ class StageProgram:
         if st.tape is not None:
             return self._backward_taped(i, st, dys)
         slots = st.slots
-        first = False if self.collect else self._take_fresh()
-        result = self._bwd_recompute(st.inputs, st.recv, dys, st.state or [], self.collect,
-                                     first, slots)
+        first = False if self.collect else self.grads.take_fresh()
+        result = self._bwd_recompute(st.inputs, st.recv, dys, st.state or [], st.consts,
+                                     self.collect, first, slots)
         recv_grads, extra, extras, flag = result[:4]
         if self.collect:
-            self.collected[i] = list(extra)
+            self.grads.collected[i] = list(extra)
             return list(recv_grads)
-        self._keep_sparse(extra)
-        self._flags.append((i, flag))
+        self._keep_sparse(i, extra, st.inputs, st.recv, st.consts)
+        self.grads.add_flag(i, flag)
         if slots is not None:
             self._defer(i, result[4], result[5], extras)
         return list(recv_grads)
 
     def _backward_taped(self, i: int, st: _Stash, dys: list[tf.Tensor]) -> list[tf.Tensor]:
-        sends = st.sends or []
         slots = st.slots or []
+        targets, output_grads = self._targets(st.sends or [], dys, st.layer_loss, st.consts)
         grads = st.tape.gradient(  # type: ignore[union-attr]
-            [sends[j] for j in self._diff_send], self._sources(st.recv, slots),
-            output_gradients=[dys[j] for j in self._diff_send],
+            targets, self._sources(st.recv, slots), output_gradients=output_grads,
             unconnected_gradients=self._unconnected(bool(slots)))
         n = len(self.trainable)
         k = n + len(self._diff_recv)
@@ -394,25 +482,27 @@ class StageProgram:
         for j, r in enumerate(self._diff_recv):
             out[r] = tf.convert_to_tensor(grads[n + j])
         if self.collect:
-            self.collected[i] = [tf.convert_to_tensor(g) for g in grads[:n]]
+            self.grads.collected[i] = [tf.convert_to_tensor(g) for g in grads[:n]]
             return out
         dense: list[Any] = []
         extras: dict[str, Any] = {}
+        sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
+        accs = self.grads.accumulators
         for r, g in enumerate(grads[:n]):
             if r in self._deferred and slots:
                 if g is not None:
                     extras[str(r)] = g
                 dense.append(None)
             elif g is None:
-                dense.append(tf.zeros_like(self.accumulators[r]))
+                dense.append(tf.zeros_like(accs[r]))
             elif isinstance(g, tf.IndexedSlices):
-                self._keep_sparse({str(r): (tf.cast(g.values, self.accumulators[r].dtype),
-                                            g.indices)})
+                sparse[str(r)] = (tf.cast(g.values, accs[r].dtype), g.indices)
                 dense.append(None)
             else:
                 dense.append(g)
+        self._keep_sparse(i, sparse, st.inputs, st.recv, st.consts)
         if any(g is not None for g in dense):
-            self._flags.append((i, self._accumulate(dense, self._take_fresh())))
+            self.grads.add_flag(i, self._accumulate(dense, self.grads.take_fresh()))
         if slots:
             self._defer(i, st.xs or [], _zeros_for_none(grads[k:], slots), extras)
         return out
@@ -423,29 +513,33 @@ class StageProgram:
         work = self._weight_work.pop(i, None)
         if work is None or self._deferred_layers is None:
             return
-        first, self.fresh_w = self.fresh_w, False
         extras = {str(k): g for k, g in work.extras.items()}
-        self._flags.append((i, self._weight(work.xs, work.dys, extras, first)))
+        self.grads.add_flag(i, self._weight(work.xs, work.dys, extras, self.grads.take_fresh_w()))
 
     def forward_backward_last(self, i: int, inputs: list[tf.Tensor], recv: list[tf.Tensor],
-                              y: Any, sample_weight: Any) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        """Last stage: forward, loss and backward in one call. Returns (loss, model outputs)."""
-        slots = self._slots(inputs, recv) if self._splitting() else None
-        result = self._fused(inputs, recv, y, sample_weight, self._take_fresh(), slots)
-        loss, outputs, (recv_grads, sparse, extras, flag) = result[:3]
-        self._keep_sparse(sparse)
-        self._flags.append((i, flag))
+                              y: Any, sample_weight: Any, consts: tf.Tensor
+                              ) -> tuple[tuple[tf.Tensor, tf.Tensor, tf.Tensor], list[tf.Tensor]]:
+        """Last stage: forward, loss and backward in one call. Returns ((numerators,
+        normalizers, layer loss) of this microbatch, model outputs with their masks)."""
+        slots = self._slots(inputs, recv, consts) if self._splitting() else None
+        result = self._fused(inputs, recv, y, sample_weight, consts, self.grads.take_fresh(), slots)
+        record, outputs, masks, (recv_grads, sparse, extras, flag) = result[:4]
+        self._keep_sparse(i, sparse, inputs, recv, consts)
+        self.grads.add_flag(i, flag)
+        self.grads.losses[i] = record[2]
         if slots is not None:
-            self._defer(i, result[3], result[4], extras)
-        self._stash[i] = _Stash(inputs, recv, recv_grads=list(recv_grads))
-        return loss, list(outputs)
+            self._defer(i, result[4], result[5], extras)
+        self._stash[i] = _Stash(inputs, recv, consts, recv_grads=list(recv_grads))
+        return record, _with_masks(outputs, masks)
 
-    def evaluate(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool = False
-                 ) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
-        """Forward without stashing: (tensors to send, model outputs on the last stage).
-        Under a caller's GradientTape this is differentiable (used by `smp.step`'s last stage)."""
-        sends, outputs = self._eval(inputs, recv, training)
-        return list(sends), list(outputs)
+    def evaluate(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool = False,
+                 consts: tf.Tensor | None = None) -> EvalOutput:
+        """Forward without stashing. Under a caller's GradientTape this is differentiable (used
+        by `smp.step`'s last stage)."""
+        if consts is None:
+            consts = tf.zeros([Consts.TERMS], tf.float32)
+        sends, outputs, masks, layer_loss = self._eval(inputs, recv, training, consts)
+        return EvalOutput(list(sends), _with_masks(outputs, masks), layer_loss)
 
     def diff_recv(self, recv: list[tf.Tensor]) -> list[tf.Tensor]:
         """The received tensors that carry gradients (floating point), in boundary order."""
@@ -459,44 +553,21 @@ class StageProgram:
             g = diff_grads[j] if j < len(diff_grads) else None
             if g is not None:
                 out[k] = tf.convert_to_tensor(g)
-        self._stash[i] = _Stash(inputs, recv, recv_grads=out)
+        self._stash[i] = _Stash(inputs, recv, tf.zeros([Consts.TERMS]), recv_grads=out)
 
     def begin_step(self, mode: StepMode) -> None:
         """Starts a step of kind ``mode`` ([Note: one driver] in hooks.py): the next microbatch
-        overwrites the accumulators, each loss is scaled by ``mode.scale``, and in collect mode
-        weight gradients are kept per microbatch."""
-        self.reset_accumulators()
+        overwrites the accumulators, and in collect mode weight gradients are kept per
+        microbatch."""
+        self.grads.begin()
+        self._weight_work.clear()
         self.collect = mode.collect
-        self.scale.assign(mode.scale)
 
     def result(self) -> StageResult:
-        """This step's finiteness, sparse gradient parts (the live lists: a reduction may
-        replace them) and collected gradients."""
-        finite, first = self.finite_status()
-        return StageResult(self.stage, finite, first, self.sparse_parts, dict(self.collected))
-
-    def reset_accumulators(self) -> None:
-        """Starts a new step: the next microbatch overwrites the accumulators."""
-        self.fresh = True
-        self.fresh_w = True
-        self.sparse_parts.clear()
-        self._flags.clear()
-        self._weight_work.clear()
-        self.collected.clear()
-
-    def finite_status(self) -> tuple[bool, int | None]:
-        """(whether every accumulator is finite after this step's microbatches, the first
-        microbatch after whose accumulation one was not) from [Note: finite flags]."""
-        if not self._flags:
-            return True, None
-        values = tf.stack([f for _, f in self._flags]).numpy()
-        if values.all():
-            return True, None
-        return False, min(i for (i, _), ok in zip(self._flags, values) if not ok)
-
-    def sparse_gradients(self) -> dict[int, tuple[tf.Tensor, tf.Tensor]]:
-        """``{variable index: (values, indices)}`` of this step, rows in batch order."""
-        return concat_sparse(self.sparse_parts)
+        """This step's gradients, combined over microbatches, and their finiteness."""
+        self.grads.combine_microbatches()
+        finite, first = self.grads.finite_status()
+        return StageResult(self.stage, finite, first, self.grads)
 
     def held_microbatches(self) -> int:
         """Microbatches whose activations this stage holds: from forward until backward, or
@@ -504,11 +575,22 @@ class StageProgram:
         return len(self._stash.keys() | self._weight_work.keys())
 
 
-def concat_sparse(parts: dict[int, list[tuple[Any, Any]]]) -> dict[int, tuple[tf.Tensor, tf.Tensor]]:
-    """Sparse gradient parts (``{variable index: [(values, indices), ...]}``) as one
-    ``(values, indices)`` per variable, rows in the parts' order."""
-    return {i: (tf.concat([v for v, _ in ps], 0), tf.concat([x for _, x in ps], 0))
-            for i, ps in parts.items()}
+def _stack(values: list[tf.Tensor]) -> tf.Tensor:
+    return tf.stack([tf.cast(v, tf.float32) for v in values]) if values else tf.zeros([0])
+
+
+def _masks_of(outputs: list[tf.Tensor]) -> list[Any]:
+    """The Keras mask of each output (None where it has none), as compiled code returns them."""
+    return [get_keras_mask(t) for t in outputs]
+
+
+def _with_masks(outputs: list[tf.Tensor], masks: list[Any]) -> list[tf.Tensor]:
+    """Outputs returned by compiled code with their Keras masks attached again."""
+    out = list(outputs)
+    for t, m in zip(out, masks):
+        if m is not None:
+            set_keras_mask(t, m)
+    return out
 
 
 def _zeros_for_none(grads: list[Any], like: list[tf.Tensor]) -> list[tf.Tensor]:

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
 
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import StagePlan
@@ -166,19 +165,16 @@ class TiedCopies:
     def _grad(self, stage: int, v: Any) -> Grad:
         prog = self.programs[stage]
         i = next(i for i, w in enumerate(prog.trainable) if w is v)
-        if i in prog.sparse_parts:
-            values, indices = prog.sparse_gradients()[i]
-            return ("sparse", values.numpy(), indices.numpy())
-        return ("dense", prog.accumulators[i].numpy())
+        return prog.grads.gradient(i)  # type: ignore[no-any-return]
 
     def _store(self, v: Any, total: Grad) -> None:
+        """[Note: gradient state] in gradients.py: the primary copy's state takes the sum."""
         s, i = self.primary[id(v)]
-        prog = self.programs[s]
+        grads = self.programs[s].grads
         if total[0] == "sparse":
-            prog.sparse_parts[i] = [(tf.constant(total[1]), tf.constant(total[2]))]
-            return
-        prog.sparse_parts.pop(i, None)
-        prog.accumulators[i].assign(total[1])
+            grads.set_sparse(i, (total[1], total[2]))
+        else:
+            grads.set_dense(i, total[1])
 
 
 def _combine(parts: list[Grad], shape: tuple[int, ...]) -> Grad:

@@ -41,7 +41,7 @@ from tfsmp.schedule.actions import Action, Op, Schedule
 from tfsmp.schedule.links import Links, as_links
 from tfsmp.schedule.placement import Placement
 
-__all__ = ["lower", "num_stages_of", "placement_of"]
+__all__ = ["forward_only", "lower", "num_stages_of", "placement_of"]
 
 
 def lower(compute: Schedule, plan: Links | None = None, num_ranks: int | None = None, *,
@@ -79,6 +79,20 @@ def lower(compute: Schedule, plan: Links | None = None, num_ranks: int | None = 
     peers = {s: (links.peers_backward(s), links.peers_forward(s)) for s in range(links.num_stages)}
     return {rank: _lower_rank(rank, actions, peers, data_parallel, reduce_buckets)
             for rank, actions in compute.items()}
+
+
+def forward_only(plan: Links, placement: Placement, rank: int, num_microbatches: int
+                 ) -> list[Action]:
+    """Inference actions of one rank: per microbatch, its stages in order, each with its
+    receives before and sends after ([Note: lowering order]). Stages are acyclic, so it cannot
+    deadlock."""
+    out: list[Action] = []
+    stages = placement.stages(rank)
+    for i in range(num_microbatches):
+        for s in stages:
+            out.extend(_with_comm(Action(s, Op.FORWARD, i), plan.peers_backward(s),
+                                  plan.peers_forward(s)))
+    return out
 
 
 def num_stages_of(schedule: Schedule) -> int:

@@ -1,0 +1,75 @@
+"""Keras hooks a user may override, and what a pipelined model does with each: run it or refuse it.
+
+Example::
+
+    check_overrides(distributed_model, "fit", rank_tag="[rank 0]")   # before any work
+
+[Note: user overrides] Keras lets a model's class override the steps of its training loop.
+A pipelined model runs each step as a schedule of stage programs across ranks, so a Python
+override of a whole step cannot run as written: tfsmp never calls it, and training through it
+silently would give other numbers than the user's code asks for. Every such hook is listed in
+`HOOKS` with what tfsmp does; an overridden hook that tfsmp cannot honour is refused before any
+work, on every rank, naming the hook and the way out. Hooks on layers (``call``,
+``compute_mask``, ``build``, ``add_loss``...) run as written on their stage; hooks on optimizers
+(``apply_gradients``, ``apply``, ``update_step``, ``_clip_gradients``) run as written on every
+rank ([Note: optimizer options] in tfsmp/runtime/optimizer_options.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from tfsmp.errors import StepError
+
+__all__ = ["HOOKS", "check_overrides"]
+
+# hook -> (the entry points it belongs to, why a pipeline cannot run it, what to do instead)
+HOOKS: dict[str, tuple[tuple[str, ...], str]] = {
+    "train_step": (("fit", "train_on_batch"),
+                   "fit runs its step as stage programs on several ranks"),
+    "test_step": (("fit", "evaluate", "test_on_batch"),
+                  "evaluate runs its step as stage programs on several ranks"),
+    "predict_step": (("predict", "predict_on_batch"),
+                     "predict runs its step as stage programs on several ranks"),
+    "compute_loss": (("fit", "evaluate", "train_on_batch", "test_on_batch"),
+                     "the loss is split into microbatch parts on the last stage "
+                     "(docs/keras_semantics.md)"),
+    "compute_metrics": (("fit", "evaluate", "train_on_batch", "test_on_batch"),
+                        "metrics are updated per microbatch on the last stage"),
+    "get_metrics_result": (("fit", "evaluate", "train_on_batch", "test_on_batch"),
+                           "logs are gathered from the last stage's metrics"),
+    "make_train_function": (("fit", "train_on_batch"), "there is no single train function"),
+    "make_test_function": (("fit", "evaluate", "test_on_batch"), "there is no single test function"),
+    "make_predict_function": (("predict", "predict_on_batch"),
+                              "there is no single predict function"),
+}
+
+
+def _overridden(obj: Any, name: str, base: type) -> bool:
+    mine = getattr(type(obj), name, None)
+    return mine is not None and mine is not getattr(base, name, None)
+
+
+def check_overrides(model: Any, entry: str, *, rank_tag: str = "") -> None:
+    """Refuses an override of a Keras hook that ``entry`` (fit, evaluate, predict...) would
+    bypass, on the wrapped model's class or on a `DistributedModel` subclass ([Note: user
+    overrides]).
+
+    Raises:
+        StepError: naming the hook, the class and what to do instead.
+    """
+    from tfsmp.keras.model import DistributedModel
+
+    wrapped = getattr(model, "wrapped", None)
+    owners = [(model, DistributedModel)] + ([(wrapped, keras.Model)] if wrapped is not None else [])
+    for obj, base in owners:
+        for name, (entries, why) in HOOKS.items():
+            if entry in entries and _overridden(obj, name, base):
+                raise StepError(
+                    f"{rank_tag} A pipelined model cannot run a model's own {name}(): {why}. "
+                    f"Received: {type(obj).__name__}.{name} overrides Keras's, for "
+                    f"{entry}(). Move the custom logic into layers, losses, metrics or "
+                    f"callbacks (which tfsmp runs as written), or write the step with "
+                    f"@smp.step (docs/keras_semantics.md).".strip())

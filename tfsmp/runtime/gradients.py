@@ -1,0 +1,190 @@
+"""One stage's gradients in one step, owned in one place: accumulators, sparse rows, finiteness.
+
+Example::
+
+    grads = GradientState(stage=1, trainable=program.trainable)
+    grads.begin()                                  # a step starts: the next write assigns
+    first = grads.take_fresh()                     # inside compiled code: acc = g, then acc += g
+    grads.add_sparse(microbatch, {"3": (values, indices)})
+    grads.combine_microbatches()                   # the batch's IndexedSlices per variable
+    grads.sparse[3]                                # (values, indices) as the full batch has them
+
+[Note: gradient state] Every gradient a stage produces during a step lives here and nowhere
+else: the dense accumulators its compiled programs write, the sparse parts of embedding-like
+variables, the finite flags of every accumulation, the per-microbatch gradients `smp.step`
+collects, and the stage's layer-loss values. The engine's data-parallel reduction, the tied-copy
+sum and the optimizer step read and replace them only through these methods, so no other object
+holds an alias that a later phase could see stale.
+
+[Note: sparse structure] A Keras optimizer applies a `tf.IndexedSlices` gradient slice by slice
+(Adam squares each slice's values and scatter-adds them), so two slices of one row do not equal
+one slice of their sum. The step must therefore hand the optimizer exactly the slices the full
+batch's gradient would have. That depends on the lookup: a lookup whose indices come from the
+batch (token ids) yields one slice per looked-up row, so the full batch's slices are every
+microbatch's and replica's slices concatenated in batch order (``"concat"``); a lookup whose
+indices do not depend on the batch (`Embedding(ops.arange(L))` position tables, T5's relative
+position buckets) yields the same indices for any batch, with values summed over the batch, so
+the full batch's gradient has those indices once and the sum of the parts' values (``"sum"``).
+Which of the two a variable follows is measured once per stage (`StageProgram.sparse_rules`):
+its gradient for a microbatch and for that microbatch repeated twice have the same number of
+slices for ``"sum"`` and twice as many for ``"concat"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfsmp.errors import StepError
+
+__all__ = ["GradientState", "SparsePart", "combine_parts"]
+
+SparsePart = tuple[Any, Any]  # (values, indices) of one tf.IndexedSlices gradient
+CONCAT, SUM = "concat", "sum"
+
+
+def combine_parts(parts: list[SparsePart], rule: str, what: str = "") -> SparsePart:
+    """The full batch's ``(values, indices)`` from parts in batch order ([Note: sparse structure]).
+
+    Raises:
+        StepError: for the ``"sum"`` rule, when the parts' indices differ (the lookup was
+            measured to be independent of the batch, so they must not).
+    """
+    if len(parts) == 1:
+        return parts[0]
+    if rule == CONCAT:
+        return (tf.concat([tf.convert_to_tensor(v) for v, _ in parts], 0),
+                tf.concat([tf.convert_to_tensor(x) for _, x in parts], 0))
+    first = np.asarray(parts[0][1])
+    for _, x in parts[1:]:
+        if not np.array_equal(np.asarray(x), first):
+            raise StepError(
+                f"A lookup whose indices do not depend on the batch must read the same rows for "
+                f"every microbatch. Received: different rows for {what or 'a variable'} in "
+                f"different microbatches. Use microbatches=1 for this model, or report the model.")
+    total = tf.add_n([tf.convert_to_tensor(v) for v, _ in parts])
+    return total, tf.convert_to_tensor(parts[0][1])
+
+
+class GradientState:
+    """Everything one stage's programs produce as gradients in one step. See the module docstring."""
+
+    def __init__(self, stage: int, trainable: list[Any]) -> None:
+        self.stage = stage
+        self.trainable = trainable
+        self.accumulators = [
+            tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False, name=f"acc_{stage}_{i}")
+            for i, v in enumerate(trainable)]
+        # [Note: fresh accumulators] The first microbatch of a step *assigns* its weight
+        # gradients and later ones add to them, so accumulators are never zeroed: 0 + g == g
+        # exactly, and this saves a read and a write of every gradient per step.
+        self.fresh = True
+        self.fresh_w = True  # the same for a split stage's deferred half ([Note: split stages])
+        self.rules: dict[int, str] = {}  # sparse variable index -> CONCAT | SUM
+        self._parts: dict[int, dict[int, SparsePart]] = {}  # variable -> microbatch -> part
+        self.sparse: dict[int, SparsePart] = {}  # the step's combined sparse gradients
+        self._flags: list[tuple[int, tf.Tensor]] = []  # [Note: finite flags] in stage.py
+        self.collected: dict[int, list[Any]] = {}  # [Note: collect mode] in stage.py
+        self.losses: dict[int, tf.Tensor] = {}  # microbatch -> the stage's layer losses
+
+    # -- a step --------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Starts a new step: the next microbatch overwrites the accumulators."""
+        self.fresh = self.fresh_w = True
+        self._parts.clear()
+        self.sparse.clear()
+        self._flags.clear()
+        self.collected.clear()
+        self.losses.clear()
+
+    def take_fresh(self) -> bool:
+        """Whether this write is the step's first to the accumulators (and from now on, not)."""
+        first, self.fresh = self.fresh, False
+        return first
+
+    def take_fresh_w(self) -> bool:
+        """`take_fresh` for a split stage's W half ([Note: split stages] in stage.py)."""
+        first, self.fresh_w = self.fresh_w, False
+        return first
+
+    def add_flag(self, microbatch: int, flag: tf.Tensor) -> None:
+        self._flags.append((microbatch, flag))
+
+    def add_sparse(self, microbatch: int, parts: dict[str, SparsePart]) -> None:
+        """Keeps microbatch ``microbatch``'s sparse gradients (``{str(index): (values, indices)}``,
+        as compiled code returns them)."""
+        for key, part in parts.items():
+            self._parts.setdefault(int(key), {})[microbatch] = part
+
+    def zero_if_unwritten(self) -> None:
+        """A step in which no microbatch reached this stage (a replica without rows in the
+        batch) leaves the accumulators holding the last step's values: make them zeros."""
+        if self.fresh and self.fresh_w and not self._parts:
+            for acc in self.accumulators:
+                acc.assign(tf.zeros_like(acc))
+
+    def has_sparse(self) -> bool:
+        return bool(self._parts) or bool(self.sparse)
+
+    def sparse_indices(self) -> list[int]:
+        """The variables with sparse gradients this step."""
+        return sorted(self._parts.keys() | self.sparse.keys())
+
+    def combine_microbatches(self) -> None:
+        """Replaces the per-microbatch parts by the step's gradient per variable, in batch order."""
+        for i, by_mb in self._parts.items():
+            parts = [by_mb[k] for k in sorted(by_mb)]
+            self.sparse[i] = combine_parts(parts, self.rules.get(i, CONCAT), self._name(i))
+        self._parts.clear()
+
+    def combine_replicas(self, gathered: Iterable[dict[int, SparsePart]]) -> None:
+        """Every replica's combined parts (in data-rank order, which is batch order) as one."""
+        per_var: dict[int, list[SparsePart]] = {}
+        for replica in gathered:
+            for i, part in replica.items():
+                per_var.setdefault(i, []).append(part)
+        self.sparse = {i: combine_parts(parts, self.rules.get(i, CONCAT), self._name(i))
+                       for i, parts in per_var.items()}
+
+    def host_sparse(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """The combined sparse gradients as numpy arrays (to send to peers)."""
+        return {i: (np.asarray(v), np.asarray(x)) for i, (v, x) in self.sparse.items()}
+
+    def set_sparse(self, i: int, part: SparsePart | None) -> None:
+        """Replaces variable ``i``'s sparse gradient (None: it is dense from now on)."""
+        if part is None:
+            self.sparse.pop(i, None)
+        else:
+            self.sparse[i] = (tf.convert_to_tensor(part[0]), tf.convert_to_tensor(part[1]))
+
+    def set_dense(self, i: int, value: Any) -> None:
+        """Replaces variable ``i``'s gradient by a dense ``value``."""
+        self.sparse.pop(i, None)
+        self.accumulators[i].assign(value)
+
+    def gradient(self, i: int) -> tuple[Any, ...]:
+        """Variable ``i``'s gradient this step: ("sparse", values, indices) or ("dense", array)."""
+        if i in self.sparse:
+            values, indices = self.sparse[i]
+            return ("sparse", np.asarray(values), np.asarray(indices))
+        return ("dense", self.accumulators[i].numpy())
+
+    def finite_status(self) -> tuple[bool, int | None]:
+        """(whether every accumulation was finite, the first microbatch after which one was not)
+        from the compiled code's flags, read at once; sparse parts are checked here too."""
+        ok = all(bool(tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(v))))
+                 for v, _ in self.sparse.values())
+        if not self._flags:
+            return ok, None
+        values = tf.stack([f for _, f in self._flags]).numpy()
+        if values.all():
+            return ok, None
+        return False, min(i for (i, _), good in zip(self._flags, values) if not good)
+
+    def _name(self, i: int) -> str:
+        v = self.trainable[i]
+        return f"'{getattr(v, 'path', None) or v.name}'"
