@@ -129,11 +129,13 @@ def installed() -> bool:
 
 
 def uninstall() -> None:
-    """Restores the hooks that were in place before `install`."""
-    global _previous
+    """Restores the hooks that were in place before `install` (and `mark_setup_error`)."""
+    global _previous, _setup_previous
     if _previous is not None:
         sys.excepthook, threading.excepthook = _previous
         _previous = None
+    if sys.excepthook is _setup_excepthook:
+        sys.excepthook, _setup_previous = _setup_previous or sys.__excepthook__, None
 
 
 # [Note: setup errors] A configuration or launch error that `tfsmp.init` finds (an unknown key,

@@ -2,7 +2,7 @@
 
 Example::
 
-    report = model_report(job_dir, model_dir, since=job.start_time)
+    report = model_report(job_dir, model_dir, before=snapshot(job_dir))  # (taken at the start)
     if report.empty:
         warnings.warn(empty_model_message(report, job_dir, model_dir))
 
@@ -10,7 +10,8 @@ Example::
 else. A script that saves `model.keras` in its working directory, or under a path of its own,
 gets a `model.tar.gz` of a few dozen bytes, and learns it only when a deployment finds nothing.
 So a job whose model directory is empty ends with a warning that names the files the script did
-write under the job directory (its working directory `code/` included) since the job started.
+write under the job directory (its working directory `code/` included) since the job started
+(new or changed files, against a snapshot of the directory taken at the start).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["ModelReport", "empty_model_message", "end_lines", "model_report", "size_text"]
+__all__ = ["ModelReport", "empty_model_message", "end_lines", "model_report", "size_text",
+           "snapshot"]
 
 # Files tfsmp itself writes in a job directory, and directories that are not the script's output.
 _OURS = frozenset({"job.log", "job.json", "mpi_command.txt", "hostfile", "model.tar.gz",
@@ -57,36 +59,47 @@ def _files(root: str) -> list[str]:
     return out
 
 
-def _written_elsewhere(job_dir: str, model_dir: str, since: float) -> list[str]:
-    """Files under `job_dir` outside `model_dir` and tfsmp's own, modified since `since`."""
-    model = os.path.abspath(model_dir) + os.sep
-    found: list[str] = []
+Snapshot = dict[str, tuple[int, int]]
+
+
+def snapshot(job_dir: str) -> Snapshot:
+    """(mtime ns, size) of every file under `job_dir`, by relative path: what the job started with."""
+    out: Snapshot = {}
     for path in _files(job_dir):
-        rel = os.path.relpath(path, job_dir)
-        if os.path.abspath(path).startswith(model) or rel in _OURS or rel.endswith(".pyc"):
-            continue
-        if rel in ("output/success", "output/failure"):
-            continue
         try:
-            if os.lstat(path).st_mtime >= since - 1.0:  # 1 s: file systems round mtimes
-                found.append(rel)
+            st = os.lstat(path)
         except OSError:
             continue
+        out[os.path.relpath(path, job_dir)] = (st.st_mtime_ns, st.st_size)
+    return out
+
+
+def _written_elsewhere(job_dir: str, model_dir: str, before: Snapshot) -> list[str]:
+    """Files under `job_dir` outside `model_dir` and tfsmp's own, new or changed since `before`."""
+    model = os.path.abspath(model_dir) + os.sep
+    found: list[str] = []
+    for rel, stat in snapshot(job_dir).items():
+        if os.path.abspath(os.path.join(job_dir, rel)).startswith(model) or rel in _OURS:
+            continue
+        if rel.endswith(".pyc") or rel in ("output/success", "output/failure"):
+            continue
+        if before.get(rel) != stat:
+            found.append(rel)
     return found
 
 
-def model_report(job_dir: str, model_dir: str, since: float) -> ModelReport:
+def model_report(job_dir: str, model_dir: str, before: Snapshot) -> ModelReport:
     """What `model_dir` holds, and (when it is empty) what the script wrote elsewhere.
 
     Args:
         job_dir: The job directory (its /opt/ml).
         model_dir: The directory SageMaker archives (SM_MODEL_DIR).
-        since: The job's start (epoch seconds): older files are the job's inputs and code.
+        before: `snapshot(job_dir)` taken when the job started (its inputs and code).
     """
     paths = _files(model_dir) if os.path.isdir(model_dir) else []
     size = sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
     names = [os.path.relpath(p, model_dir) for p in paths[:_SHOWN]]
-    elsewhere = _written_elsewhere(job_dir, model_dir, since) if not paths else []
+    elsewhere = _written_elsewhere(job_dir, model_dir, before) if not paths else []
     return ModelReport(len(paths), size, names, elsewhere)
 
 

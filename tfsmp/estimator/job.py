@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from tfsmp.estimator.artifacts import empty_model_message, end_lines, model_report
+from tfsmp.estimator.artifacts import (
+    Snapshot,
+    empty_model_message,
+    end_lines,
+    model_report,
+    snapshot,
+)
 from tfsmp.estimator.failure_report import Failure, find_failure
 from tfsmp.estimator.layout import _archive, _write_json
 from tfsmp.estimator.plan import _Plan
@@ -90,6 +96,7 @@ class LocalTrainingJob:
     # fit(logs="All"): the console also shows mpirun's job map and TensorFlow's start-up lines
     # (job.log always has them). [Note: quiet start-up] in tfsmp/launch/output.py
     show_all: bool = False
+    _before: Snapshot | None = field(default=None, repr=False)  # the job directory at the start
 
     @property
     def job_name(self) -> str:
@@ -119,6 +126,8 @@ class LocalTrainingJob:
     def start(self, logs: bool) -> None:
         """Launches the command(s); output goes to job.log (and to stdout if `logs`)."""
         self._echo = logs
+        if self._before is None:
+            self._before = snapshot(self.job_dir)
         self._log_start = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         self._procs, self._threads = [], []
         log = self._log = open(self.log_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - wait() closes it
@@ -209,7 +218,7 @@ class LocalTrainingJob:
     def _report_end(self, echo: bool) -> None:
         """Where the model went: end-of-job lines, and a warning if the model directory is empty
         ([Note: the empty model archive] in tfsmp/estimator/artifacts.py)."""
-        report = model_report(self.job_dir, self.plan.paths.model, since=self.start_time)
+        report = model_report(self.job_dir, self.plan.paths.model, before=self._before or {})
         if report.empty:
             warnings.warn(empty_model_message(report, self.job_dir, self.plan.paths.model),
                           UserWarning, stacklevel=_caller_stacklevel())
