@@ -92,8 +92,9 @@ def format_markdown(results: dict[str, Any]) -> str:
     env = results["environment"]
     v = env["versions"]
     lines = ["# tfsmp benchmark results", "",
-             f"Command: `{results['command']}` — {results['finished']}, "
-             f"{results['seconds']:.0f} s in all.", "",
+             f"Last run: `{results['command']}` — {results['finished']}, "
+             f"{results['seconds']:.0f} s in all. Each section names the command and the date of "
+             "the run it comes from.", "",
              f"Machine: {env['cpus']} CPUs ({env['platform']}), Python {env['python']}, "
              + ", ".join(f"{k} {val}" for k, val in v.items())
              + f". Load average at start {env['load_average'][0]:.1f}: the machine is shared, "

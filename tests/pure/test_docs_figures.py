@@ -55,7 +55,7 @@ def test_the_docs_quote_the_counted_and_measured_figures() -> None:
         assert "<!--fig:code.bad_input.total-->" in text[doc], doc
     assert "<!--fig:speedup.zb.m4.gain-->" in text["README.md"]
     assert "<!--fig:multihost.1MB.ratio-->" in text["docs/multihost.md"]
-    assert "<!--fig:p2p.256KB.ratio-->" in text["docs/multihost.md"]
+    assert "<!--fig:p2p.1MB.ratio-->" in text["docs/multihost.md"]
     marked = sum(len(figures.MARKER.findall(t)) for t in text.values())
     assert marked >= 100, marked
 
