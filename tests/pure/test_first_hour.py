@@ -15,6 +15,7 @@ import pytest
 
 from tfsmp import core, failure
 from tfsmp.errors import ConfigError
+from tfsmp.estimator import Failure, find_failure
 from tfsmp.estimator.artifacts import (
     empty_model_message,
     end_lines,
@@ -187,3 +188,8 @@ def test_end_lines_say_where_the_model_archive_is(tmp_path: Path) -> None:
                      "(1 file: model.keras; 2.9 KB)",
                      "tfsmp: every rank's output: /j/job.log"]
     assert (size_text(10), size_text(5 << 20)) == ("10 B", "5.0 MB")
+
+
+def test_a_jobs_failure_reason_is_its_setup_error_line() -> None:
+    log = [f"{TAG0}[rank 0 | init] ConfigError: Unknown parameter 'partitons'.\n", *BOX]
+    assert find_failure(log) == Failure(0, "ConfigError: Unknown parameter 'partitons'.", "")
