@@ -7,8 +7,9 @@ message goes through Open MPI's TCP transport. Messages of 1 MB and 16 MB. Needs
 
     python benchmarks/bench_multihost.py [--quick]
 
-It prints the table and the verdict (goal: ratio ≥ 0.9) and is not part of `benchmarks/run.py`,
-which must run without root.
+It prints the table and the verdict (goal: ratio ≥ 0.9) and merges its result into
+`benchmarks/results.json` and `results.md` as `benchmarks/run.py` does; it is not part of
+`run.py`, which must run without root.
 """
 
 from __future__ import annotations
@@ -83,12 +84,15 @@ def verdict(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    result = run(quick="--quick" in argv)
-    print(f"## {TITLE}\n")
-    print("\n".join(summarize(result)))
-    print(f"\nGoal ≥ {GOAL}: {verdict(result)}")
-    print(json.dumps(result))
-    return 0
+    """Runs the benchmark and merges its result into results.json/results.md, as run.py does."""
+    from benchmarks import run as runner
+
+    quick = "--quick" in argv
+    start = time.monotonic()
+    ran = runner.run_benchmarks([NAME], quick)
+    command = "python benchmarks/bench_multihost.py" + (" --quick" if quick else "")
+    runner.save_results(REPO_ROOT / "benchmarks", ran, command, time.monotonic() - start)
+    return 1 if "error" in ran[NAME] else 0
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@ Usage::
     python benchmarks/run.py --quick              # every figure, fewer repeats (< 10 min here)
     python benchmarks/run.py                      # the same with more rounds and cases
     python benchmarks/run.py --only p2p bubble    # some benchmarks; the others' results are kept
+    python benchmarks/run.py --write-docs         # no measuring: the docs' figures from results.json
 
 Every figure is a ratio of two things measured side by side in one job, alternating in rounds
 (see [Note: measuring on a shared machine] in `benchmarks/common.py`); the settings (model,
-batch, threads, rounds, steps) are printed beside each table.
+batch, threads, rounds, steps) are printed beside each table. The docs quote these results only
+through figure markers that `--write-docs` rewrites and a test checks ([Note: docs figures] in
+`benchmarks/figures.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 if __package__ in (None, ""):  # `python benchmarks/run.py`: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import figures
 from benchmarks.common import REPO_ROOT, BenchError
 
 __all__ = ["BENCHMARKS", "format_markdown", "main", "run_benchmarks"]
@@ -35,6 +39,8 @@ __all__ = ["BENCHMARKS", "format_markdown", "main", "run_benchmarks"]
 # Issue order: 1 overhead, 2 speed-up, 3 memory, 4 point-to-point, 5 partition, 6 bubble,
 # 7 reduction.
 BENCHMARKS = ["overhead", "speedup", "memory", "p2p", "partition", "bubble", "reduction"]
+# Benchmarks with a command of their own that also write into results.json (root needed).
+OWN_COMMAND = {"multihost": "python benchmarks/bench_multihost.py"}
 HERE = Path(__file__).resolve().parent
 
 
@@ -86,23 +92,27 @@ def format_markdown(results: dict[str, Any]) -> str:
     env = results["environment"]
     v = env["versions"]
     lines = ["# tfsmp benchmark results", "",
-             f"Command: `{results['command']}` — {results['finished']}, "
-             f"{results['seconds']:.0f} s in all.", "",
+             f"Last run: `{results['command']}` — {results['finished']}, "
+             f"{results['seconds']:.0f} s in all. Each section names the command and the date of "
+             "the run it comes from.", "",
              f"Machine: {env['cpus']} CPUs ({env['platform']}), Python {env['python']}, "
              + ", ".join(f"{k} {val}" for k, val in v.items())
              + f". Load average at start {env['load_average'][0]:.1f}: the machine is shared, "
              "so every figure is a ratio measured side by side (A/B rounds, medians; [q1, q3] = "
              "quartiles over rounds).", ""]
-    for i, name in enumerate(BENCHMARKS, start=1):
+    for i, name in enumerate([*BENCHMARKS, *OWN_COMMAND], start=1):
         entry = results["benchmarks"].get(name)
         if entry is None:
             continue
         lines += [f"## {i}. {entry['title']}", ""]
+        if name in OWN_COMMAND:
+            lines += [f"Command: `{entry.get('command', OWN_COMMAND[name])}`.", ""]
         if "error" in entry:
             lines += ["Failed:", "", "```", entry["error"][-2000:], "```", ""]
             continue
         lines += entry["table"] + ["", f"**Goal:** {entry['verdict']}.", "",
-                                   f"_{'quick' if entry['quick'] else 'full'} run, started "
+                                   f"_{'quick' if entry['quick'] else 'full'} run "
+                                   f"(`{entry.get('command', results['command'])}`), started "
                                    f"{entry['started']}, {entry['seconds']:.0f} s, load average "
                                    f"{entry['load_before'][0]:.1f} → {entry['load_after'][0]:.1f}._", ""]
     return "\n".join(lines)
@@ -126,24 +136,58 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, metavar="NAME",
                         help=f"run only these ({', '.join(BENCHMARKS)})")
     parser.add_argument("--out", default=str(HERE), help="directory for results.md/json")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="measure nothing: recompute the figures from results.json and "
+                             "rewrite the marked figures of README.md and docs/*.md")
     args = parser.parse_args(argv)
+    if args.write_docs:
+        return write_docs(Path(args.out) / "results.json")
     names = args.only or BENCHMARKS
     start = time.monotonic()
-    env = environment()
-    env["mpirun"] = _mpirun_version()
     ran = run_benchmarks(names, args.quick)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/run.py" + (" --quick" if args.quick else "") + (
         f" --only {' '.join(args.only)}" if args.only else "")
+    save_results(Path(args.out), ran, command, time.monotonic() - start)
+    return 1 if any("error" in e for e in ran.values()) else 0
+
+
+def save_results(out: Path, ran: dict[str, Any], command: str, seconds: float) -> None:
+    """Merges this run's benchmarks into results.json (with their figures) and results.md."""
+    env = environment()
+    env["mpirun"] = _mpirun_version()
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in ran.values():
+        entry["command"] = command
     results = {"command": command, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "seconds": round(time.monotonic() - start, 1), "environment": env,
+               "seconds": round(seconds, 1), "environment": env,
                "benchmarks": _merge(out / "results.json", ran)}
+    results["figures"] = figures.figures(results)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "results.md").write_text(format_markdown(results) + "\n")
-    print(f"\nwrote {out / 'results.md'} and {out / 'results.json'} "
-          f"({results['seconds']:.0f} s)")
-    return 1 if any("error" in e for e in ran.values()) else 0
+    print(f"\nwrote {out / 'results.md'} and {out / 'results.json'} ({seconds:.0f} s); "
+          "`python benchmarks/run.py --write-docs` updates the docs' figures")
+
+
+def write_docs(path: Path) -> int:
+    """Recomputes results.json's figures and rewrites every marked figure in the docs."""
+    results = json.loads(path.read_text())
+    values = figures.figures(results)
+    if results.get("figures") != values:
+        results["figures"] = values
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"updated the figures in {path}")
+    values = {**values, **figures.code_counts()}
+    for doc in figures.doc_paths():
+        text = doc.read_text()
+        new = figures.rewrite_text(text, values)
+        if new != text:
+            doc.write_text(new)
+            print(f"rewrote figures in {doc.relative_to(figures.REPO)}")
+    problems = [p for doc in figures.doc_paths()
+                for p in figures.check_text(doc.read_text(), values, str(doc.relative_to(figures.REPO)))]
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _mpirun_version() -> str:

@@ -1,6 +1,11 @@
 """Train a small CNN as a 2-stage pipeline on generated 'digit' images (no download).
 
 Run:  tfsmp run -np 2 examples/train_pipeline.py [--epochs 5] [--config '{"partitions": 2}']
+      [--model-dir DIR]
+
+It saves the trained model as one plain Keras file, `DIR/digits_cnn.keras` (DIR: `--model-dir`,
+else SM_MODEL_DIR under the SageMaker-style estimator, else `model/`), which
+`keras.models.load_model` opens in one process, and prints where it is.
 
 The data: 10 fixed random 12×12 templates ("digits"); each sample is one template shifted by up
 to 2 pixels, scaled, with Gaussian noise — a task a CNN learns to >95% accuracy in a few epochs.
@@ -55,6 +60,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--config", default=None, help="tfsmp config JSON (else SM_HP_MP_PARAMETERS)")
+    parser.add_argument("--model-dir", "--model_dir", default=os.environ.get("SM_MODEL_DIR", "model"),
+                        help="where to save the model (default: SM_MODEL_DIR, else ./model)")
     args, _ = parser.parse_known_args()
     config = json.loads(args.config) if args.config else None
     if config is None and not os.environ.get("SM_HP_MP_PARAMETERS"):
@@ -73,9 +80,15 @@ def main() -> None:
     if smp.rank() == 0:
         model.summary()
     loss, accuracy = model.evaluate(x_val, y_val, batch_size=256, verbose=0)
+    path = os.path.abspath(os.path.join(args.model_dir, "digits_cnn.keras"))
+    if smp.rank() == 0:
+        os.makedirs(args.model_dir, exist_ok=True)
+    model.save(path)  # every rank takes part; rank 0 writes the whole, unpartitioned model
     if smp.rank() == 0:
         print(f"rank 0 of {smp.size()} ({smp.mp_size()} stages × {smp.dp_size()} replicas): "
               f"validation loss {loss:.4f}, accuracy {accuracy:.4f}")
+        print(f"saved the model to {path} ({os.path.getsize(path) / 1024:.0f} KB): "
+              "keras.models.load_model opens it in one process")
 
 
 if __name__ == "__main__":

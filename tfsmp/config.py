@@ -417,11 +417,15 @@ def _check_unknown_keys(params: Mapping[Any, Any]) -> None:
     unknown = [key for key in params if key not in valid]
     if not unknown:
         return
-    parts = []
+    parts, guessed = [], 0
     for key in unknown:
         close = difflib.get_close_matches(str(key).lower(), valid, n=1)
         parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        guessed += bool(close)
     noun = "parameter" if len(unknown) == 1 else "parameters"
+    if guessed == len(unknown):  # a typo: the guess is the fix, the whole list would bury it
+        raise ConfigError(f"Unknown {noun} {', '.join(parts)}. Fix the name; every parameter is "
+                          "in docs/parameters.md.")
     raise ConfigError(f"Unknown {noun} {', '.join(parts)}. Valid parameters: {sorted(valid)}. "
                       "See docs/parameters.md.")
 

@@ -22,6 +22,7 @@ import contextlib
 import enum
 import importlib.util
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Mapping
@@ -32,7 +33,7 @@ from typing import Any
 from tfsmp import failure
 from tfsmp.comm.base import Comm, Group, waitall
 from tfsmp.config import Config, load_config
-from tfsmp.errors import CommError, ConfigError
+from tfsmp.errors import CommError, ConfigError, TfsmpError
 from tfsmp.topology import Topology, select_gpu
 
 __all__ = [
@@ -133,14 +134,26 @@ def init(config: Mapping[str, Any] | str | Config | None = None) -> Config:
         The validated Config.
 
     Raises:
-        ConfigError: The config is invalid or does not fit the world size, `horovod: True`
-            without Horovod, or a second call with a different config.
+        ConfigError: The config is invalid or does not fit the world size, partitions > 1
+            without an MPI launcher, `horovod: True` without Horovod, or a second call with a
+            different config. Uncaught, it ends the process as one line (no traceback unless
+            TFSMP_DEBUG=1): [Note: setup errors] in `tfsmp.failure`.
     """
+    try:
+        if _STATE is not None:
+            return _check_same_config(config)
+        return _start(config)
+    except TfsmpError as e:
+        failure.mark_setup_error(e)
+        raise
+
+
+def _start(config: Mapping[str, Any] | str | Config | None) -> Config:
     global _STATE
-    if _STATE is not None:
-        return _check_same_config(config)
     size = _launcher_world_size(os.environ)
-    cfg = load_config(config, world_size=size or 1)  # validated before anything starts
+    cfg = load_config(config, world_size=size)  # validated before anything starts
+    if size is None and cfg.partitions > 1:
+        raise ConfigError(_no_launcher_message(cfg.partitions, sys.argv))
     if cfg.horovod:
         from tfsmp.comm.horovod import require_horovod
 
@@ -162,6 +175,16 @@ def init(config: Mapping[str, Any] | str | Config | None = None) -> Config:
         state.horovod = init_horovod(comm.data)
     _STATE = state
     return cfg
+
+
+def _no_launcher_message(partitions: int, argv: list[str]) -> str:
+    """What to do when a script with partitions > 1 runs as one plain process."""
+    script = argv[0] if argv and argv[0] not in ("", "-c", "-m") else "train.py"
+    line = shlex.join(["tfsmp", "run", "-np", str(partitions), script, *argv[1:]])
+    return ("world size must be a multiple of partitions (world size = partitions x data-parallel "
+            f"degree). Received: world_size=1, partitions={partitions}: one process, started "
+            f"without an MPI launcher. Fix: launch {partitions} processes, e.g. `{line}` (or "
+            f"`mpirun -np {partitions} python {shlex.join([script, *argv[1:]])}`).")
 
 
 def _create_comm(topology: Topology, use_mpi: bool) -> Comm:

@@ -8,6 +8,9 @@ launch path (`tfsmp run`, `mpirun python`, `mpirun python -m mpi4py`, `horovodru
 (pid 4242); aborting the job`), then the traceback with every line tagged `[rank 3 | pp_rank 1]`, are
 printed, stderr is flushed, and all ranks are aborted with exit code 1.
 
+A configuration or launch error that `tfsmp.init` finds is not a crash: it prints as one short
+line, once per job, with no traceback ([Note: setup errors]; `TFSMP_DEBUG=1` prints the traceback).
+
 Example::
 
     failure.install(lambda: f"rank {rank} | pp_rank {stage}")
@@ -19,12 +22,15 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
-__all__ = ["abort_job", "format_tagged", "install", "installed", "uninstall"]
+__all__ = ["DEBUG_ENV", "SETUP_GRACE", "abort_job", "debugging", "format_setup_error",
+           "format_tagged", "install", "installed", "launcher_rank", "mark_setup_error",
+           "uninstall"]
 
 _previous: tuple[Any, Any] | None = None
 _rank_tag: Callable[[], str] = lambda: "rank ?"  # noqa: E731 - replaced by install()
@@ -86,6 +92,9 @@ def _report(exc_type: type[BaseException], exc: BaseException, tb: TracebackType
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException,
                 tb: TracebackType | None) -> None:
+    if _report_setup_error(exc):
+        abort_job(1)  # MPI is up only for an error of a second init() call
+        return
     if issubclass(exc_type, KeyboardInterrupt) and _mpi_world_size() == 1 and _previous:
         _previous[0](exc_type, exc, tb)
         return
@@ -120,8 +129,79 @@ def installed() -> bool:
 
 
 def uninstall() -> None:
-    """Restores the hooks that were in place before `install`."""
-    global _previous
+    """Restores the hooks that were in place before `install` (and `mark_setup_error`)."""
+    global _previous, _setup_previous
     if _previous is not None:
         sys.excepthook, threading.excepthook = _previous
         _previous = None
+    if sys.excepthook is _setup_excepthook:
+        sys.excepthook, _setup_previous = _setup_previous or sys.__excepthook__, None
+
+
+# [Note: setup errors] A configuration or launch error that `tfsmp.init` finds (an unknown key,
+# partitions that do not divide the world size, no launcher, `horovod: True` without Horovod) is
+# the same on every rank and is the user's to fix, not a crash: a traceback of ~25 frames on
+# every rank buries the one line that matters. So `init` marks such an error, and if nothing
+# catches it, the process ends with that line alone, tagged `[rank R | init]`, exit code 1.
+# Once per job: rank 0 prints at once; any other rank first waits SETUP_GRACE seconds. When every
+# rank failed alike, rank 0's exit ends the job (every MPI launcher kills the other ranks when one
+# exits non-zero) before the others print; when only some ranks failed (a file missing on one
+# host), they still say why. `TFSMP_DEBUG=1` restores the traceback on every rank, at once.
+DEBUG_ENV = "TFSMP_DEBUG"
+SETUP_GRACE = 10.0  # s; a few seconds of start-up skew between ranks on a loaded machine, and more
+_RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+_MARK = "_tfsmp_setup_error"
+_setup_previous: Any = None
+
+
+def debugging(environ: Mapping[str, str] | None = None) -> bool:
+    """True when `TFSMP_DEBUG` asks for tracebacks (any value but empty, 0, false, no)."""
+    value = (os.environ if environ is None else environ).get(DEBUG_ENV, "")
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank as its MPI launcher set it (None without a launcher)."""
+    env = os.environ if environ is None else environ
+    for key in _RANK_ENV:
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    return None
+
+
+def format_setup_error(exc: BaseException, rank: int) -> str:
+    """The one line a setup error prints: `[rank R | init] ConfigError: <message>`."""
+    return f"[rank {rank} | init] {type(exc).__name__}: {exc}\n"
+
+
+def mark_setup_error(exc: BaseException) -> None:
+    """Makes `exc`, if nothing catches it, end the process as one line. [Note: setup errors]
+
+    Callers re-raise `exc` afterwards: code that catches it (tests, notebooks) sees the exception
+    with its traceback as usual.
+    """
+    global _setup_previous
+    setattr(exc, _MARK, True)
+    if sys.excepthook not in (_excepthook, _setup_excepthook):
+        _setup_previous = sys.excepthook
+        sys.excepthook = _setup_excepthook
+
+
+def _report_setup_error(exc: BaseException) -> bool:
+    """Prints a marked setup error as its one line (after the grace on ranks but 0); False for
+    any other exception, or when TFSMP_DEBUG asks for the traceback."""
+    if not getattr(exc, _MARK, False) or debugging():
+        return False
+    rank = launcher_rank() or 0
+    if rank != 0 and _mpi_world_size() == 1:  # (with MPI up, an abort follows at once)
+        time.sleep(SETUP_GRACE)
+    sys.stderr.write(format_setup_error(exc, rank))
+    sys.stderr.flush()
+    return True
+
+
+def _setup_excepthook(exc_type: type[BaseException], exc: BaseException,
+                      tb: TracebackType | None) -> None:
+    """The hook `mark_setup_error` puts in place before `install` has run."""
+    if not _report_setup_error(exc):
+        (_setup_previous or sys.__excepthook__)(exc_type, exc, tb)

@@ -71,8 +71,8 @@ def main() -> None:
         role=get_execution_role(),
         instance_count=args.instance_count,
         instance_type=args.instance_type,
-        framework_version="2.6.3",
-        py_version="py38",
+        # The page's framework_version="2.6.3", py_version="py38" name a SageMaker image; the job
+        # runs in this Python environment, whose versions they default to.
         distribution={
             "smdistributed": {"modelparallel": smp_options},
             "mpi": mpi_options,

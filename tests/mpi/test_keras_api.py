@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.mpihelp import run_cases, run_mpi
+from tfsmp.launch.output import TF_STARTUP
 
 pytestmark = pytest.mark.mpi
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -106,11 +109,17 @@ def test_profile_measures_layers_and_hooks_run_once_after_partitioning(results: 
 
 
 @pytest.mark.timeout(300)
-def test_readme_main_job_trains_the_example_on_two_ranks() -> None:
-    res = run_mpi(2, [str(ROOT / "examples" / "train_pipeline.py"), "--epochs", "2"],
-                  launcher="tfsmp", timeout=240)
+def test_readme_main_job_trains_the_example_on_two_ranks(tmp_path: Path) -> None:
+    # oneDNN on, as on a user's machine: its start-up notice is one of the lines tfsmp run drops
+    res = run_mpi(2, [str(ROOT / "examples" / "train_pipeline.py"), "--epochs", "2",
+                      "--model-dir", str(tmp_path)], launcher="tfsmp", timeout=240,
+                  env={"TF_ENABLE_ONEDNN_OPTS": "1"})
     assert res.returncode == 0, res.describe()
     assert "validation loss" in res.stdout and "Epoch 2/2" in res.stdout
     accuracy = float(res.stdout.rsplit("accuracy", 1)[1].split()[0])
     assert accuracy > 0.5, res.stdout[-2000:]
     assert "Epoch 1/2" not in res.ranks.get(1, "")  # progress is printed by rank 0 only
+    saved = tmp_path / "digits_cnn.keras"   # a .keras file is a zip of config and weights
+    assert f"saved the model to {saved} (" in res.stdout and zipfile.is_zipfile(saved)
+    untagged = [re.sub(r"^\[\d+,\d+\]<\w+>: ?", "", t) for t in res.stderr.splitlines()]
+    assert not [t for t in untagged if any(p.match(t) for p in TF_STARTUP)], res.stderr[-3000:]

@@ -105,7 +105,7 @@ BAD: list[tuple[Any, str]] = [
     ({"seed": -1}, "seed must be an integer in [0, 2**63) or None. Received: seed=-1."),
     ({"seed": 2**63}, "seed must be an integer in [0, 2**63) or None."),
     ({"seed": 1.5}, "seed must be an integer in [0, 2**63) or None. Received: seed=1.5."),
-    ({"microbatch": 4}, "Unknown parameter 'microbatch' (did you mean 'microbatches'?). Valid parameters: ["),
+    ({"microbatch": 4}, "Unknown parameter 'microbatch' (did you mean 'microbatches'?). Fix the name; every parameter is in docs/parameters.md."),
     ({"Partitions": 2}, "Unknown parameter 'Partitions' (did you mean 'partitions'?)."),
     ({"foo": 1, "bar": 2}, "Unknown parameters 'foo', 'bar'. Valid parameters:"),
     ({1: 2}, "Unknown parameter 1. Valid parameters:"),

@@ -111,11 +111,18 @@ def test_sdk_v1_names_still_work(src: Path) -> None:
     assert (est.instance_count, est.instance_type) == (1, "local")
 
 
-def test_tensorflow_needs_versions_or_an_image(src: Path) -> None:
-    with pytest.raises(ConfigError, match=re.escape(
-            "framework_version or py_version was None, yet image_uri was also None. Either "
-            "specify both framework_version and py_version, or specify image_uri.")):
-        tf(src, framework_version=None)
+def test_versions_default_to_this_environments_without_a_warning(src: Path) -> None:
+    """The SDK needs them to pick an image; here the image is this Python environment."""
+    import sys
+    from importlib import metadata
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at all
+        est = TensorFlow(entry_point="train.py", source_dir=str(src), role="r",
+                         instance_count=1, instance_type="local", distribution=DIST)
+    assert metadata.version("tensorflow-cpu").startswith(est.framework_version + ".")
+    assert est.py_version == f"py{sys.version_info.major}{sys.version_info.minor}"
+    assert tf(src, framework_version=None).framework_version == est.framework_version
 
 
 def test_image_uri_is_not_pulled_and_says_so(src: Path) -> None:
@@ -126,11 +133,16 @@ def test_image_uri_is_not_pulled_and_says_so(src: Path) -> None:
                   source_dir=str(src))
 
 
-def test_framework_version_mismatch_is_a_warning(src: Path) -> None:
-    with pytest.warns(UserWarning, match=r"framework_version='2.6.3': the job runs with this "
-                                         "machine's TensorFlow"):
-        TensorFlow(entry_point="train.py", source_dir=str(src), role="r", instance_count=1,
-                   instance_type="local", framework_version="2.6.3", py_version="py311")
+def test_versions_of_another_image_give_one_warning_with_the_fix(src: Path) -> None:
+    with pytest.warns(UserWarning) as record:
+        est = TensorFlow(entry_point="train.py", source_dir=str(src), role="r", instance_count=1,
+                         instance_type="local", framework_version="2.6.3", py_version="py38")
+    assert len(record) == 1, [str(w.message) for w in record]
+    assert re.fullmatch(
+        r"The job runs in this Python environment: framework_version='2\.6\.3' \(here: 2\.\d+\), "
+        r"py_version='py38' \(here: py3\d+\)\. Omit framework_version and py_version to use this "
+        r"environment's, as tfsmp does by default\.", str(record[0].message))
+    assert (est.framework_version, est.py_version) == ("2.6.3", "py38")  # kept, as the SDK does
 
 
 def test_entry_point_must_exist_in_source_dir(src: Path) -> None:

@@ -144,7 +144,9 @@ class Estimator:
             inputs: A local path or file:// URI (the channel "training"), a dict of channel name
                 to path/URI, or None. S3 URIs are errors.
             wait: Block until the job ends (else see `latest_training_job.wait()`).
-            logs: Print the job's output as it runs (True, or the SDK's "All").
+            logs: Print the job's output as it runs (True), and at the end where the model
+                archive is. "All" (the SDK's value) also shows mpirun's job map and TensorFlow's
+                start-up lines, which job.log always has.
             job_name: The job name (default: base_job_name plus a timestamp).
             experiment_config: Accepted and ignored (SageMaker Experiments).
 
@@ -158,11 +160,12 @@ class Estimator:
         job = LocalTrainingJob(plan, self.max_run, self.output_path,
                                compress=not self.disable_output_compression)
         self.latest_training_job, self._current_job_name = job, plan.name
+        job.show_all = logs == "All"
         if echo:
             print(f"tfsmp: training job {plan.name} in {plan.paths.base}", flush=True)
         job.start(echo)
         if wait:
-            job.wait()
+            job.wait(logs=echo)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -206,16 +209,19 @@ class TensorFlow(Estimator):
                  distribution: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         if "entry_point" not in kwargs:
             raise TypeError("TensorFlow() needs entry_point: the training script.")
-        if (framework_version is None or py_version is None) and image_uri is None:
-            raise ConfigError(
-                "framework_version or py_version was None, yet image_uri was also None. Either "
-                "specify both framework_version and py_version, or specify image_uri.")
         super().__init__(image_uri=image_uri, distribution=distribution, **kwargs)
-        self.framework_version, self.py_version = framework_version, py_version
+        # [Note: versions] The SDK needs framework_version and py_version (or image_uri) to pick
+        # the image a job runs in, as its local mode does to pick the container it starts. Here
+        # the job runs in this Python environment, so that is what they default to; values that
+        # name another image get one warning, since the job cannot run them.
+        have_tf, have_py = local_versions()
+        self.framework_version = framework_version or have_tf
+        self.py_version = py_version or have_py
         if model_dir is not None and model_dir is not False:
             _local_path(model_dir, "model_dir")  # s3:// is refused
         self.model_dir = model_dir
-        _warn_versions(framework_version, py_version)
+        if image_uri is None:
+            _warn_versions(framework_version, py_version, have_tf, have_py)
 
     def _framework_hyperparameters(self, paths: sm.JobPaths) -> dict[str, Any]:
         # The SDK passes model_dir=/opt/ml/model for MPI jobs; here /opt/ml is the job directory.
@@ -224,18 +230,28 @@ class TensorFlow(Estimator):
         return {"model_dir": str(self.model_dir) if self.model_dir else paths.model}
 
 
-def _warn_versions(framework_version: str | None, py_version: str | None) -> None:
+def local_versions() -> tuple[str, str]:
+    """(TensorFlow's major.minor, `pyXY`) of this Python environment: the job's "image"."""
     from importlib import metadata
 
-    have_tf = next((metadata.version(d) for d in ("tensorflow", "tensorflow-cpu")
-                    if _installed(d)), None)
-    have_py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    if framework_version and have_tf and not have_tf.startswith(framework_version):
-        warnings.warn(f"framework_version={framework_version!r}: the job runs with this machine's "
-                      f"TensorFlow {have_tf}.", UserWarning, stacklevel=3)
+    tf = next((metadata.version(d) for d in ("tensorflow", "tensorflow-cpu") if _installed(d)),
+              "none")
+    return ".".join(tf.split(".")[:2]), f"py{sys.version_info.major}{sys.version_info.minor}"
+
+
+def _warn_versions(framework_version: str | None, py_version: str | None, have_tf: str,
+                   have_py: str) -> None:
+    """One warning when the given versions name another image than this environment."""
+    other = []
+    if framework_version and not (have_tf + ".").startswith(
+            ".".join(framework_version.split(".")[:2]) + "."):
+        other.append(f"framework_version={framework_version!r} (here: {have_tf})")
     if py_version and py_version not in (have_py, "py3"):
-        warnings.warn(f"py_version={py_version!r}: the job runs with this machine's Python "
-                      f"({have_py}).", UserWarning, stacklevel=3)
+        other.append(f"py_version={py_version!r} (here: {have_py})")
+    if other:
+        warnings.warn(f"The job runs in this Python environment: {', '.join(other)}. Omit "
+                      "framework_version and py_version to use this environment's, as tfsmp "
+                      "does by default.", UserWarning, stacklevel=3)
 
 
 def _installed(dist: str) -> bool:

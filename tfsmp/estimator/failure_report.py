@@ -13,6 +13,8 @@ __all__ = ["Failure", "find_failure"]
 _TAGGED = re.compile(TAG_OUTPUT_PATTERN)
 _PRTE_PROC = re.compile(r"Process name:\s+\[[^\]]*,(\d+)\]")
 _RANK_TAG = re.compile(r"^\[rank \d+[^\]]*\] ?")
+# A setup error at init prints one line, no traceback ([Note: setup errors] in tfsmp/failure.py).
+_SETUP_ERROR = re.compile(r"^\[rank (\d+) \| init\] (\w+: .*)$")
 
 
 @dataclass(frozen=True)
@@ -28,17 +30,23 @@ def find_failure(lines: Iterable[str]) -> Failure:
     """Finds the failing rank and its error in a job log (`--tag-output` lines, or untagged).
 
     The first rank that printed a traceback wins (it is where the error began: the others were
-    aborted); failing that, the rank Open MPI names as the first to exit non-zero.
+    aborted); failing that, the first setup error's one line (`[rank R | init] ConfigError: …`);
+    failing that, the rank Open MPI names as the first to exit non-zero.
     """
     stderr: dict[int | None, list[str]] = {}
     first_traceback: list[int | None] = []
     exited: int | None = None
+    setup: Failure | None = None
     for line in lines:
         m = _TAGGED.match(line)
         rank: int | None = int(m.group(1)) if m else None
         if m and m.group(2) != "stderr":
             continue
-        text = _RANK_TAG.sub("", m.group(3) if m else line.rstrip("\n"))
+        raw = m.group(3) if m else line.rstrip("\n")
+        s = _SETUP_ERROR.match(raw)
+        if s and setup is None:
+            setup = Failure(int(s.group(1)), s.group(2), "")
+        text = _RANK_TAG.sub("", raw)
         stderr.setdefault(rank, []).append(text)
         if text.startswith("Traceback (most recent call last)") and rank not in first_traceback:
             first_traceback.append(rank)
@@ -46,7 +54,7 @@ def find_failure(lines: Iterable[str]) -> Failure:
         if proc and exited is None:
             exited = int(proc.group(1))
     if not first_traceback:
-        return Failure(exited, "", "")
+        return setup or Failure(exited, "", "")
     rank = first_traceback[0]
     error, tb = _last_exception(stderr[rank])
     return Failure(rank if rank is not None else exited, error, tb)

@@ -16,13 +16,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from tfsmp.estimator.artifacts import (
+    Snapshot,
+    empty_model_message,
+    end_lines,
+    model_report,
+    snapshot,
+)
 from tfsmp.estimator.failure_report import Failure, find_failure
 from tfsmp.estimator.layout import _archive, _write_json
 from tfsmp.estimator.plan import _Plan
 from tfsmp.launch import sagemaker as sm
 from tfsmp.launch.mpirun import launcher_never_started
+from tfsmp.launch.output import OutputFilter, tf_logs_wanted
 
 __all__ = ["LocalTrainingJob", "UnexpectedStatusException"]
+
+
+def _caller_stacklevel() -> int:
+    """The `stacklevel` of the first frame outside tfsmp: a warning then names the user's line
+    (`est.fit()` or `job.wait()`), however deep inside tfsmp it is raised."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level  # level 1: the frame that calls warn() (and this function)
 
 
 class UnexpectedStatusException(ValueError):
@@ -75,6 +93,10 @@ class LocalTrainingJob:
     _relaunches: int = 0
     _echo: bool = False
     _log_start: int = 0
+    # fit(logs="All"): the console also shows mpirun's job map and TensorFlow's start-up lines
+    # (job.log always has them). [Note: quiet start-up] in tfsmp/launch/output.py
+    show_all: bool = False
+    _before: Snapshot | None = field(default=None, repr=False)  # the job directory at the start
 
     @property
     def job_name(self) -> str:
@@ -104,6 +126,8 @@ class LocalTrainingJob:
     def start(self, logs: bool) -> None:
         """Launches the command(s); output goes to job.log (and to stdout if `logs`)."""
         self._echo = logs
+        if self._before is None:
+            self._before = snapshot(self.job_dir)
         self._log_start = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         self._procs, self._threads = [], []
         log = self._log = open(self.log_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - wait() closes it
@@ -116,7 +140,9 @@ class LocalTrainingJob:
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                 errors="replace")
             self._procs.append(proc)
-            thread = threading.Thread(target=self._pump, args=(proc, log, lock, tag, logs),
+            keep = OutputFilter(tf_logs=self.show_all or tf_logs_wanted(self.plan.env)
+                                or tf_logs_wanted(), job_map=self.show_all)
+            thread = threading.Thread(target=self._pump, args=(proc, log, lock, tag, logs, keep),
                                       daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -127,15 +153,18 @@ class LocalTrainingJob:
         self._timer = timer
 
     def _pump(self, proc: subprocess.Popen[str], log: IO[str], lock: threading.Lock, tag: str,
-              echo: bool) -> None:
+              echo: bool, keep: OutputFilter) -> None:
         if proc.stdout is None:
             return
         for line in proc.stdout:
             with lock:
                 log.write(tag + line)
                 if echo:
-                    sys.stdout.write(tag + line)
+                    sys.stdout.writelines(tag + shown for shown in keep.feed(line))
                     sys.stdout.flush()
+        if echo:
+            with lock:
+                sys.stdout.writelines(tag + shown for shown in keep.close())
 
     def _on_timeout(self) -> None:
         self._timed_out = True
@@ -184,6 +213,19 @@ class LocalTrainingJob:
             self._finish("Completed", "Completed")
         else:
             self._fail()
+        self._report_end(logs)
+
+    def _report_end(self, echo: bool) -> None:
+        """Where the model went: end-of-job lines, and a warning if the model directory is empty
+        ([Note: the empty model archive] in tfsmp/estimator/artifacts.py)."""
+        report = model_report(self.job_dir, self.plan.paths.model, before=self._before or {})
+        if report.empty:
+            warnings.warn(empty_model_message(report, self.job_dir, self.plan.paths.model),
+                          UserWarning, stacklevel=_caller_stacklevel())
+        if echo:
+            seconds = (self.end_time or time.time()) - self.start_time
+            print("\n".join(end_lines(self.job_name, self.status, seconds, self.model_data,
+                                      report, self.log_path)), flush=True)
 
     def _relaunch(self) -> bool:
         """Launches the job again if its MPI launcher died before any rank ran ([Note: launcher

@@ -11,7 +11,8 @@ Across hosts, the ranks of other hosts get the environment they need (see [Note:
 environment] in `tfsmp.launch.hosts`) and Open MPI's TCP traffic goes over one interface, chosen
 as the SageMaker toolkit does (`--network-interface`, else `SM_NETWORK_INTERFACE_NAME`, else the
 interface of the route to the hosts). Each rank runs under `tfsmp.launch.rankguard`, so a rank
-killed by a signal is reported with its host ([Note: who died] there).
+killed by a signal is reported with its host ([Note: who died] there). The ranks' stderr passes
+through `tfsmp.launch.output`, which drops TensorFlow's start-up lines ([Note: quiet start-up]).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -194,7 +194,9 @@ def run(args: argparse.Namespace) -> int:
         print(shlex.join(argv))
         return 0
     sys.stdout.flush()
-    return subprocess.call(argv)
+    from tfsmp.launch.output import run_filtered, tf_logs_wanted
+
+    return run_filtered(argv, tf_logs=args.tf_logs or tf_logs_wanted())
 
 
 def register(subparsers: Any) -> None:
@@ -222,6 +224,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-tag-output", dest="tag_output", action="store_false",
                    help="do not prefix output lines with [job,rank]")
     p.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit")
+    p.add_argument("--tf-logs", action="store_true",
+                   help="show TensorFlow's start-up log lines, which tfsmp run drops (also: env "
+                        "TFSMP_TF_LOGS=1); see [Note: quiet start-up] in tfsmp/launch/output.py")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
