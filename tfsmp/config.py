@@ -252,8 +252,9 @@ _PARAMS: list[Param] = [
         "multiple of it; world_size // partitions replicas train data-parallel. Alias: "
         "pipeline_parallel_degree (SMP's PyTorch name). SMP TF required it; tfsmp defaults to 1.")),
     Param("microbatches", "int", 1, ">= 1", sdk=True, check=_positive_int, help=(
-        "Microbatches each batch is split into (1 = no pipelining). The batch size must be "
-        "divisible by it.")),
+        "Microbatches each batch is split into (1 = no pipelining). fit takes any batch size: "
+        "microbatches may differ by a row, a batch smaller than this runs fewer (smp.step, as "
+        "SMP, needs its batch divisible by it).")),
     Param("pipeline", "str", "interleaved", "interleaved, simple, zb-h1, zb-v", sdk=True,
           choices=("interleaved", "simple", "zb-h1", "zb-v"),
           check=_choice("simple", "interleaved", "zb-h1", "zb-v"), help=(

@@ -28,7 +28,7 @@ CASES = ["case_full" if FULL else "case_default", "case_refusals",
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
-    found = run_cases(2, SCRIPTS / "conformance_cases.py", CASES, timeout=1500 if FULL else 600)
+    found = run_cases(2, SCRIPTS / "conformance_cases.py", CASES, timeout=1800 if FULL else 900)
     assert_ok(found)
     return found
 

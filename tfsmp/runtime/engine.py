@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from keras import tree
+from keras.src.backend import get_keras_mask, set_keras_mask
 
 from tfsmp.comm.horovod import HorovodReducer
 from tfsmp.errors import StepError
@@ -302,18 +303,15 @@ class Engine:
         shapes = self.output_shapes(tree.map_structure(tf.convert_to_tensor, x))
         rng = np.random.default_rng(0)
         outs = []
-        masks = getattr(self.traced, "output_mask_keys", None) or [None] * len(shapes)
-        for key, shp, mask_key in zip(self.traced.output_keys, shapes, masks):
-            dtype = self.traced.graph.tensors[key].dtype
+        symbolic = tree.flatten(self.traced.outputs_struct)
+        for key, shp, kt in zip(self.traced.output_keys, shapes, symbolic):
+            dtype = tf.as_dtype(self.traced.graph.tensors[key].dtype)
             value = tf.constant(rng.normal(size=[int(d or 1) for d in shp]).astype(np.float32))
-            value = tf.cast(value, dtype) if tf.as_dtype(dtype).is_floating else tf.cast(
-                tf.abs(value), dtype)
-            if mask_key is not None:
-                mshape = (shp[0], *self.traced.graph.tensors[mask_key].shape)
-                mshape = tuple(d if d is not None else shp[i] for i, d in enumerate(mshape))
-                from keras.src.backend import set_keras_mask
-
-                set_keras_mask(value, tf.ones(mshape, tf.bool))
+            value = tf.cast(value if dtype.is_floating else tf.abs(value), dtype)
+            mask = get_keras_mask(kt)
+            if mask is not None:
+                dims = [shp[i] if d is None else d for i, d in enumerate(mask.shape)]
+                set_keras_mask(value, tf.ones([int(d or 1) for d in dims], tf.bool))
             outs.append(value)
         return self.traced.pack_outputs(outs)
 
