@@ -71,6 +71,7 @@ def test_a_loss_neither_sum_nor_mean_trains_equal_with_one_part(results: dict[st
 
 
 def test_a_layer_updating_its_state_in_call_warns_once(results: dict[str, Any]) -> None:
-    for rank in (0, 1):
-        warned = results["case_state_warning"][rank]["result"]
-        assert len(warned) == 1 and "['counter']" in warned[0] and "once per microbatch" in warned[0]
+    """Once, on the rank whose stage holds the layer."""
+    warned = [w for rank in (0, 1) for w in results["case_state_warning"][rank]["result"]]
+    assert len(warned) == 1, warned
+    assert "['counter']" in warned[0] and "once per microbatch" in warned[0]
