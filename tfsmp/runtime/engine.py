@@ -151,6 +151,7 @@ class Engine:
         self._executors: dict[tuple[int, int], Executor] = {}
         self._reducers: dict[tuple[Any, ...], _FusedReducer] = {}
         self._eval_actions: dict[int, list[Action]] = {}
+        self._step_shape = StepShape(0, (0,), 0, 0, 0, 0)  # the last training step's
         self._idle_actions: dict[int, list[Action]] = {}
         self.steps = 0
         self.skipped_steps = 0
@@ -292,7 +293,8 @@ class Engine:
         rows = min(mbatch.batch_size_of(x), 3)
         head = mbatch.take_rows((x, y, sample_weight), 0, rows)
         y_pred = self._like_outputs(head[0])
-        self._objective().prepare(head[1], head[2], y_pred, parts=shape.parts,
+        # a later batch may have more parts than this one: decide for the most a step can have
+        self._objective().prepare(head[1], head[2], y_pred, parts=self.m * self.dp_size,
                                has_layer_losses=self._layer_losses,
                                scaled=self._bridge is not None and self._bridge.scaled,
                                rank_tag=self.rank_tag)
@@ -653,7 +655,7 @@ class Engine:
         result.term_values = self.objective.values(summed)
         result.loss = (self.objective.total(result.term_values) + sum(r[4] for r in report)
                        + sum(r[5] for r in report))
-        return self.objective.deferred_factor(summed)
+        return self.objective.deferred_factor(summed, self._step_shape.parts)
 
     def apply(self, result: StepResult) -> None:
         """STEP: applies the optimizer to this rank's variables, or skips the update on every

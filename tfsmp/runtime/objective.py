@@ -273,7 +273,7 @@ class Objective:
         if parts > 1 and any(t.kind == SCALAR for t in self.terms):
             self._scalar_rules(y, sample_weight, y_pred, rank_tag)
         masked = [t for t in self.terms if t.kind == MASK]
-        self.deferred = bool(masked) and parts > 1
+        self.deferred = bool(masked) and parts > 1  # ``parts``: the most a step can have
         if self.deferred and (len(self.terms) > 1 or has_layer_losses or scaled):
             others = ("other compiled losses" if len(self.terms) > 1 else
                       "layer losses (regularizers, add_loss)" if has_layer_losses else
@@ -369,10 +369,11 @@ class Objective:
         """The compiled loss of the batch: the terms' values, weighted."""
         return float(sum(t.weight * v for t, v in zip(self.terms, values)))
 
-    def deferred_factor(self, summed: np.ndarray) -> float:
+    def deferred_factor(self, summed: np.ndarray, parts: int) -> float:
         """What the accumulated gradients are multiplied by before the optimizer step: 1, or
-        1 / the batch's count of unmasked values for a deferred mask term."""
-        if not self.deferred:
+        1 / the batch's count of unmasked values for a mask term deferred in a step of several
+        parts (with one part it was exact in place, `Consts.EXACT_MASK`)."""
+        if not self.deferred or parts <= 1:
             return 1.0
         k = len(self.terms)
         d = float(summed[k])

@@ -207,6 +207,13 @@ def _mask_across() -> keras.Model:
     return _masked_sequence(cut_before_embedding=False)
 
 
+@feature("masked_loss_last_batch_of_one", compile=_token_compile, cut="ids",
+         data=lambda: (lambda x: (x, _sequence_targets(x), None))(_tokens(n=33)),
+         doc="masked per-token loss with an epoch's last batch of one row (exact in place)")
+def _masked_last_batch() -> keras.Model:
+    return _masked_sequence(cut_before_embedding=True)
+
+
 @feature("mask_to_attention", data=lambda: (_tokens(), np.arange(32) % 3, None),
          compile=lambda: {"optimizer": keras.optimizers.Adam(0.01),
                           "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
