@@ -25,9 +25,25 @@ different stages, each holding a copy of its variables ([Note: tied copies] in `
 
 [Note: call semantics] `Call.run` calls the layer as `Functional` does: the node's recorded
 args/kwargs with tensors substituted, and ``training`` overriding the recorded value when it is
-not None and the layer takes it. Masks ride on the tensors (``_keras_mask``), so they propagate
-as in Keras while the tensors stay in one process; a tensor received from another stage carries
-no mask.
+not None and the layer takes it. Masks ride on the tensors (``_keras_mask``) as in Keras; see
+[Note: masks] for how they cross stages.
+
+[Note: masks] A Keras mask rides on its tensor (``_keras_mask``: `Embedding(mask_zero=True)`,
+`Masking`, and every layer that propagates it), and a layer reads it from its inputs (the
+``mask``/``query_mask``/… arguments Keras fills in, or ``compute_mask``). A tensor received from
+another stage, or returned by a compiled function, carries no attribute, so the tracer makes the
+mask a tensor of its own: every traced tensor whose symbolic ``KerasTensor`` carries a mask gets
+a companion key ``"<key>#mask"`` (`TracedModel.masks`), written by the same call as the data
+(`Call.output_mask_keys`) and read by every Keras layer that reads the data
+(`Call.input_mask_keys`; ``keras.ops`` calls ignore masks). The `LayerGraph` holds it as an
+ordinary bool tensor, so the partitioner prices it and makes it a boundary wherever its data is
+one; a model output's mask is a graph output too. `Call.run` re-attaches the masks it finds in
+``env`` to its inputs before calling and writes its outputs' masks into ``env`` after, so a
+stage that receives data and masks computes exactly what Keras computes. A mask that the model
+computes explicitly (``ops.not_equal(ids, 0)`` passed as ``mask=``, which Keras records for a
+single-input layer such as LSTM) is also an ordinary traced tensor. Masks are known from the
+symbolic trace: a layer that attaches a mask only when run eagerly, inside a nested model whose
+own trace saw no mask, keeps it only within its stage.
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
+from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.models.functional import Functional
 from keras.src.ops.function import make_node_key
 from keras.src.ops.node import Node
@@ -80,19 +97,44 @@ class Call:
     output_keys: list[str]
     arguments: SymbolicArguments = field(repr=False)
     keras_name: str = ""  # the Keras layer's name when ``layer_name`` is a tied copy's node
+    # [Note: masks]: aligned with input_keys / output_keys, None where a tensor has no mask
+    input_mask_keys: list[str | None] = field(default_factory=list)
+    output_mask_keys: list[str | None] = field(default_factory=list)
 
     def run(self, env: dict[str, Any], training: bool | None = None) -> None:
-        """Reads ``env[input_keys]``, calls the layer, writes ``env[output_keys]``.
+        """Reads ``env[input_keys]`` (and their masks), calls the layer, writes
+        ``env[output_keys]`` and the outputs' masks.
 
-        See [Note: call semantics].
+        See [Note: call semantics] and [Note: masks].
+
+        Raises:
+            StepError: if an output the trace saw masked comes out without a mask.
         """
-        values = {id(t): env[k] for t, k in zip(self.arguments.keras_tensors, self.input_keys)}
+        inputs = [env[k] for k in self.input_keys]
+        for value, mask_key in zip(inputs, self.input_mask_keys):
+            if mask_key is not None and mask_key in env:
+                set_keras_mask(value, env[mask_key])
+        values = {id(t): v for t, v in zip(self.arguments.keras_tensors, inputs)}
         args, kwargs = self.arguments.fill_in(values)
         if training is not None and "training" in getattr(self.layer, "_call_context_args", ()):
             kwargs = {**kwargs, "training": training}
         outputs = tree.flatten(self.layer(*args, **kwargs))
         for key, value in zip(self.output_keys, outputs):
             env[key] = value
+        for value, mask_key in zip(outputs, self.output_mask_keys):
+            if mask_key is not None:
+                env[mask_key] = self._mask_of(value, mask_key)
+
+    def _mask_of(self, value: Any, mask_key: str) -> Any:
+        mask = get_keras_mask(value)
+        if mask is None:
+            raise StepError(
+                f"A layer must attach the same Keras masks when it runs as when it was traced, "
+                f"because masks cross stages as tensors of their own. Received: layer "
+                f"'{self.layer_name}' returned no mask for '{mask_key.split('#')[0]}', which "
+                f"was masked in the symbolic trace. Make the layer's compute_mask agree with "
+                f"its call, or keep the layers reading this mask on one stage.")
+        return mask
 
 
 @dataclass
@@ -121,6 +163,9 @@ class TracedModel:
     layers: dict[str, Any] = field(default_factory=dict, repr=False)
     uses: dict[str, list[Any]] = field(default_factory=dict, repr=False)
     variable_order: dict[int, int] = field(default_factory=dict, repr=False)
+    # [Note: masks]: tensor key -> its mask's key; the output masks, aligned with output_keys
+    masks: dict[str, str] = field(default_factory=dict)
+    output_mask_keys: list[str | None] = field(default_factory=list)
 
     def layer(self, name: str) -> Any:
         """The Keras layer (or ``keras.ops`` operation) of a graph node."""
@@ -148,9 +193,20 @@ class TracedModel:
         flat = self._flatten_inputs(x)
         return {k: self._convert(v, spec) for k, v, spec in zip(self.input_keys, flat, self.input_specs)}
 
-    def pack_outputs(self, values: Iterable[Any]) -> Any:
-        """Flat output values (in `output_keys` order) -> the structure ``model(x)`` returns."""
-        out = tree.pack_sequence_as(self.outputs_struct, list(values))
+    def pack_outputs(self, values: Iterable[Any], masks: Iterable[Any] | None = None) -> Any:
+        """Flat output values (in `output_keys` order) -> the structure ``model(x)`` returns.
+
+        Args:
+            values: the output tensors.
+            masks: their Keras masks (aligned with `output_keys`, None where an output has
+                none; e.g. ``[env.get(k) if k else None for k in output_mask_keys]``), attached
+                to the values as ``model(x)`` attaches them. See [Note: masks].
+        """
+        values = list(values)
+        for value, mask in zip(values, masks if masks is not None else ()):
+            if mask is not None:
+                set_keras_mask(value, mask)
+        out = tree.pack_sequence_as(self.outputs_struct, values)
         if self.unpack_singleton and isinstance(out, (list, tuple)) and len(out) == 1:
             return out[0]
         return out
@@ -179,7 +235,11 @@ class TracedModel:
     def __call__(self, x: Any, training: bool | None = None) -> Any:
         """Runs the whole model: the same result as ``model(x, training=training)``."""
         values = self.run(self.pack_inputs(x), training=training)
-        return self.pack_outputs([values[k] for k in self.output_keys])
+        return self.pack_outputs([values[k] for k in self.output_keys], self.output_masks(values))
+
+    def output_masks(self, env: dict[str, Any]) -> list[Any]:
+        """The outputs' masks found in ``env`` (aligned with `output_keys`, None where none)."""
+        return [env.get(k) if k is not None else None for k in self.output_mask_keys]
 
     def _flatten_inputs(self, x: Any) -> list[Any]:
         if isinstance(x, dict) and all(n in x for n in self.input_names):
@@ -427,6 +487,9 @@ class _Flattener:
         self.raw: list[_RawCall] = []
         self.final_keys: dict[str, str] = {}
         self.names: dict[int, str] = {}
+        self.masked: dict[str, Any] = {}  # provisional key -> its symbolic mask ([Note: masks])
+        self.masks: dict[str, str] = {}  # final key -> mask key, set by finish
+        self.mask_specs: dict[str, Any] = {}  # mask key -> symbolic mask, set by finish
 
     def expand(self, fn: Any, keymap: dict[int, str], path: tuple[int, ...], owner: str) -> None:
         """Adds ``fn``'s calls; ``keymap`` maps id(KerasTensor) of ``fn`` -> key (extended here)."""
@@ -442,6 +505,8 @@ class _Flattener:
             self.raw.append(_RawCall(op, node, here, [keymap[id(t)] for t in node.input_tensors],
                                      keys, owner))
             keymap.update({id(t): k for t, k in zip(node.outputs, keys)})
+            self.masked.update((k, get_keras_mask(t)) for k, t in zip(keys, node.outputs)
+                               if _has_mask(t))
 
     def _expand_model(self, model: keras.Model, node: Node, keymap: dict[int, str],
                       path: tuple[int, ...]) -> None:
@@ -449,7 +514,10 @@ class _Flattener:
         inner_map = {id(t): keymap[id(a)] for t, a in zip(inner.inputs, inner_inputs)}
         self.expand(inner, inner_map, path, model.name)
         for outer, inner_t in zip(node.outputs, inner.outputs):
-            keymap[id(outer)] = inner_map[id(inner_t)]
+            key = keymap[id(outer)] = inner_map[id(inner_t)]
+            if _has_mask(outer) and key.startswith("\0"):
+                # the nested model's compute_mask ran its graph with the masks of its inputs
+                self.masked.setdefault(key, get_keras_mask(outer))
 
     def finish(self, input_names: list[str]) -> list[Call]:
         """Names nodes, numbers calls, and rewrites provisional keys into final ones."""
@@ -464,13 +532,18 @@ class _Flattener:
             name = self.names[id(rc.op)]
             for i, k in enumerate(rc.output_keys):
                 self.final_keys[k] = f"{name}:{index[pos]}:{i}"
+        self.masks = {self.final_keys[k]: f"{self.final_keys[k]}#mask" for k in self.masked}
+        self.mask_specs = {f"{self.final_keys[k]}#mask": m for k, m in self.masked.items()}
         calls = []
         for pos, rc in enumerate(self.raw):
+            inputs = [self.final_keys.get(k, k) for k in rc.input_keys]
+            outputs = [self.final_keys[k] for k in rc.output_keys]
+            reads_masks = isinstance(rc.op, keras.layers.Layer)  # keras.ops ignore masks
             calls.append(Call(
                 layer=rc.op, layer_name=self.names[id(rc.op)], call_index=index[pos],
-                input_keys=[self.final_keys.get(k, k) for k in rc.input_keys],
-                output_keys=[self.final_keys[k] for k in rc.output_keys],
-                arguments=rc.node.arguments))
+                input_keys=inputs, output_keys=outputs, arguments=rc.node.arguments,
+                input_mask_keys=[self.masks.get(k) if reads_masks else None for k in inputs],
+                output_mask_keys=[self.masks.get(k) for k in outputs]))
         return calls
 
     def _name_ops(self, input_names: list[str]) -> None:
@@ -494,6 +567,10 @@ class _Flattener:
                     f"'{rc.owner}'). Give one of them another name= when creating it.")
             owners[name] = (rc.op, rc.owner)
             self.names[id(rc.op)] = name
+
+
+def _has_mask(t: Any) -> bool:
+    return get_keras_mask(t) is not None
 
 
 def _snake(name: str) -> str:
@@ -565,11 +642,13 @@ def _assemble(model: keras.Model, top: _Top, calls: list[Call], flat: _Flattener
     trainable = {id(v) for v in model.trainable_weights}
     nodes = _layer_nodes(calls, flat, owned, trainable)
     for c, rc in zip(calls, flat.raw):
-        outs = [TensorInfo(k, c.layer_name, tuple(t.shape)[1:],
-                           keras.backend.standardize_dtype(t.dtype))
-                for k, t in zip(c.output_keys, rc.node.outputs)]
-        graph.add_layer(nodes[c.layer_name], c.input_keys, outs)
-    graph.set_outputs(output_keys)
+        outs = [_info(k, c.layer_name, t) for k, t in zip(c.output_keys, rc.node.outputs)]
+        outs += [_info(k, c.layer_name, flat.mask_specs[k]) for k in c.output_mask_keys if k]
+        graph.add_layer(nodes[c.layer_name], [*c.input_keys, *filter(None, c.input_mask_keys)],
+                        outs)
+    output_masks = [flat.masks.get(k) for k in output_keys]
+    graph.set_outputs([*output_keys, *filter(None, output_masks)])
+    graph.masks = dict(flat.masks)
     graph.colocate, graph.ties = _shared(uses, nodes)
     order = {id(v): i for i, v in enumerate(model.variables)}
     return TracedModel(
@@ -577,7 +656,12 @@ def _assemble(model: keras.Model, top: _Top, calls: list[Call], flat: _Flattener
         input_names=_input_names(fn), output_names=_output_names(fn, output_keys),
         input_specs=list(fn.inputs), inputs_struct=fn._inputs_struct,
         outputs_struct=fn._outputs_struct, unpack_singleton=top.unpack_singleton,
-        cast_all_inputs=top.cast_all_inputs, layers=layers, uses=uses, variable_order=order)
+        cast_all_inputs=top.cast_all_inputs, layers=layers, uses=uses, variable_order=order,
+        masks=dict(flat.masks), output_mask_keys=output_masks)
+
+
+def _info(key: str, producer: str, t: Any) -> TensorInfo:
+    return TensorInfo(key, producer, tuple(t.shape)[1:], keras.backend.standardize_dtype(t.dtype))
 
 
 def _layer_nodes(calls: list[Call], flat: _Flattener, owned: dict[str, list[Any]],
@@ -598,9 +682,9 @@ def _layer_nodes(calls: list[Call], flat: _Flattener, owned: dict[str, list[Any]
                                   rc.node.outputs)
         node.flops_forward += fwd
         node.flops_backward += costs.backward_flops(c.layer, fwd)
-        node.activation_bytes += sum(
-            TensorInfo("", "", tuple(t.shape)[1:], keras.backend.standardize_dtype(t.dtype))
-            .bytes_per_sample for t in rc.node.outputs)
+        masks = [flat.mask_specs[k] for k in c.output_mask_keys if k]
+        node.activation_bytes += sum(_info("", "", t).bytes_per_sample
+                                     for t in [*rc.node.outputs, *masks])
         node.calls += 1
     return nodes
 
