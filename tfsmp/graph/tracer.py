@@ -21,7 +21,8 @@ counted over this model's nodes only; tensor keys follow [Note: tensor keys] in 
 Keras's own names for them come from a process-wide counter and differ between processes.
 A leaf called several times whose variables are all trainable becomes one graph node per call
 (``"<layer>@<call>"`` after the first call in execution order), so its calls may run on
-different stages, each holding a copy of its variables ([Note: tied copies] in `ir.py`).
+different stages, each holding a copy of the variables it reads ([Note: tied copies] in `ir.py`;
+which variables a call reads: [Note: variable reads] in `reads.py`).
 
 [Note: call semantics] `Call.run` calls the layer as `Functional` does: the node's recorded
 args/kwargs with tensors substituted, and ``training`` overriding the recorded value when it is
@@ -71,7 +72,8 @@ from keras.src.ops.symbolic_arguments import SymbolicArguments
 from tfsmp.errors import StepError, TfsmpError, TraceError
 from tfsmp.graph import costs
 from tfsmp.graph.deferred import deferred_scope
-from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo, Tie
+from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo
+from tfsmp.graph.reads import Reads, call_reads, shared, split_tied_calls, variable_owners
 
 __all__ = ["Call", "TracedModel", "trace"]
 
@@ -307,10 +309,12 @@ def trace(model: keras.Model, batch_size: int | None = None, sample_input: Any =
         flat.expand(top.fn, keymap, (), model.name)
     input_keys = [keymap[id(t)] for t in top.fn.inputs]
     output_keys = [keymap[id(t)] for t in top.fn.outputs]
-    calls = _split_tied_calls(flat.finish(input_names=[_producer(t).name for t in top.fn.inputs]))
+    calls = flat.finish(input_names=[_producer(t).name for t in top.fn.inputs])
+    read = call_reads(calls)  # [Note: variable reads] in reads.py
+    calls = split_tied_calls(calls, read)
     rename = flat.final_keys
     output_keys = [rename.get(k, k) for k in output_keys]
-    return _assemble(model, top, calls, flat, input_keys, output_keys)
+    return _assemble(model, top, calls, read, flat, input_keys, output_keys)
 
 
 @dataclass
@@ -631,14 +635,14 @@ def _producer(t: Any) -> Any:
 
 # -- graph -------------------------------------------------------------------------------------
 
-def _assemble(model: keras.Model, top: _Top, calls: list[Call], flat: _Flattener,
-              input_keys: list[str], output_keys: list[str]) -> TracedModel:
+def _assemble(model: keras.Model, top: _Top, calls: list[Call], read: list[Reads],
+              flat: _Flattener, input_keys: list[str], output_keys: list[str]) -> TracedModel:
     fn = top.fn
     graph = LayerGraph(name=model.name)
     for t in fn.inputs:
         graph.add_input(_producer(t).name, tuple(t.shape)[1:], keras.backend.standardize_dtype(t.dtype))
     layers = {c.layer_name: c.layer for c in calls}
-    owned, uses = _variable_owners(calls, layers)
+    owned, uses = variable_owners(calls, read)
     trainable = {id(v) for v in model.trainable_weights}
     nodes = _layer_nodes(calls, flat, owned, trainable)
     for c, rc in zip(calls, flat.raw):
@@ -649,7 +653,7 @@ def _assemble(model: keras.Model, top: _Top, calls: list[Call], flat: _Flattener
     output_masks = [flat.masks.get(k) for k in output_keys]
     graph.set_outputs([*output_keys, *filter(None, output_masks)])
     graph.masks = dict(flat.masks)
-    graph.colocate, graph.ties = _shared(uses, nodes)
+    graph.colocate, graph.ties = shared(uses, nodes)
     order = {id(v): i for i, v in enumerate(model.variables)}
     return TracedModel(
         model=model, graph=graph, calls=calls, input_keys=input_keys, output_keys=output_keys,
@@ -687,95 +691,6 @@ def _layer_nodes(calls: list[Call], flat: _Flattener, owned: dict[str, list[Any]
                                      for t in [*rc.node.outputs, *masks])
         node.calls += 1
     return nodes
-
-
-def _variable_owners(calls: list[Call], layers: dict[str, Any]) -> tuple[dict[str, list[Any]],
-                                                                         dict[str, list[Any]]]:
-    """Which node owns each weight (its bytes count there) and which variables each node reads.
-
-    A layer owns its ``weights``; a variable a ``keras.ops`` call takes as an argument (weight
-    tying in a subclassed ``call``) is read by that node too, and owned by it if no layer owns it.
-    """
-    uses: dict[str, dict[int, Any]] = {name: {} for name in layers}
-    weights: dict[int, str] = {}
-    for name, op in layers.items():
-        if isinstance(op, keras.layers.Layer):
-            for v in op.variables:
-                uses[name].setdefault(id(v), v)
-            for v in op.weights:
-                weights.setdefault(id(v), name)
-    for c in calls:
-        for v in c.arguments._flat_arguments:
-            if isinstance(v, keras.Variable):
-                uses[c.layer_name].setdefault(id(v), v)
-                weights.setdefault(id(v), c.layer_name)
-    owned: dict[str, list[Any]] = {}
-    for name, vs in uses.items():
-        owned[name] = [v for i, v in vs.items() if weights.get(i) == name]
-    return owned, {name: list(vs.values()) for name, vs in uses.items()}
-
-
-def _split_tied_calls(calls: list[Call]) -> list[Call]:
-    """Gives each call of a multiply-called leaf whose variables are all trainable its own graph
-    node (see [Note: tied copies] in `ir.py`); the first call in execution order keeps the
-    layer's name. A leaf with a non-trainable variable (seed state, moving statistics) stays
-    one node: that state must advance in call order on one stage."""
-    by_layer: dict[str, list[Call]] = {}
-    for c in calls:
-        by_layer.setdefault(c.layer_name, []).append(c)
-    taken = set(by_layer)
-    for name, mine in by_layer.items():
-        if len(mine) < 2 or not all(v.trainable for v in _read_variables(mine)):
-            continue
-        for c in mine[1:]:
-            node = f"{name}@{c.call_index}"
-            while node in taken:
-                node += "_"
-            taken.add(node)
-            c.keras_name, c.layer_name = name, node
-    return calls
-
-
-def _read_variables(calls: list[Call]) -> list[Any]:
-    """Every variable the calls of one leaf read: the layer's own and any passed as arguments."""
-    op = calls[0].layer
-    found = list(op.variables) if isinstance(op, keras.layers.Layer) else []
-    for c in calls:
-        found.extend(v for v in c.arguments._flat_arguments if isinstance(v, keras.Variable))
-    return found
-
-
-def _shared(uses: dict[str, list[Any]], nodes: dict[str, LayerNode]
-            ) -> tuple[list[frozenset[str]], list[Tie]]:
-    """Nodes reading a common variable: co-located groups for non-trainable ones (they change in
-    call order), `Tie` copies for trainable ones, one per distinct set of readers."""
-    users: dict[int, list[str]] = {}
-    variables: dict[int, Any] = {}
-    for name, vs in uses.items():
-        for v in vs:
-            users.setdefault(id(v), []).append(name)
-            variables[id(v)] = v
-    groups: list[frozenset[str]] = []
-    tied: dict[tuple[str, ...], list[Any]] = {}
-    for i, names in users.items():
-        if len(set(names)) < 2:
-            continue
-        if variables[i].trainable:
-            tied.setdefault(tuple(dict.fromkeys(names)), []).append(variables[i])
-            continue
-        group = frozenset(names)
-        if group not in groups:
-            groups.append(group)
-    return groups, [_tie(names, vs, nodes) for names, vs in tied.items()]
-
-
-def _tie(names: tuple[str, ...], vs: list[Any], nodes: dict[str, LayerNode]) -> Tie:
-    owner = next((n for n in names if nodes[n].param_bytes and any(
-        str(v.path) in nodes[n].variables for v in vs)), names[0])
-    size, train, _ = costs.param_stats(vs, {id(v) for v in vs})
-    order = (owner, *(n for n in names if n != owner))
-    return Tie(nodes=order, variables=tuple(str(v.path) for v in vs), param_bytes=size,
-               trainable_param_bytes=train)
 
 
 def _input_names(fn: Any) -> list[str]:
