@@ -11,27 +11,32 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 import tensorflow as tf
 from keras import layers
 from keras.src.backend import get_keras_mask
 
+from tfsmp.errors import StepError
 from tfsmp.graph.deferred import deferred_scope, materialize
 from tfsmp.graph.tracer import TracedModel, trace
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.runtime.dynamic_shapes import BoundaryShapes, ShapeResolver
 
-pytestmark = pytest.mark.tf
+# Keras warns when a layer that does not propagate masks (keras_hub's PositionEmbedding, a nested
+# Functional) is called on a masked tensor: expected here, plain Keras warns the same.
+pytestmark = [pytest.mark.tf,
+              pytest.mark.filterwarnings("ignore:Layer .* does not support masking:UserWarning")]
 
 VOCAB, DIM, SEQ, BATCH = 20, 8, 7, 5
 
 
 def _tokens(seq: int = SEQ, seed: int = 0) -> np.ndarray:
-    """Token ids with trailing zeros (padding) of different lengths, one row all padding."""
+    """Token ids with trailing zeros (padding) of different lengths."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(1, VOCAB, (BATCH, seq)).astype("int32")
-    lengths = np.array([seq, 3, 1, seq - 2, 0])[:BATCH]
+    lengths = np.array([seq, 3, 1, seq - 2, 2])[:BATCH]
     ids[np.arange(seq)[None, :] >= lengths[:, None]] = 0
     return ids
 
@@ -83,6 +88,38 @@ def build_time_distributed(dynamic: bool) -> tuple[keras.Model, str]:
     return keras.Model(ids, layers.Dense(3, name="head")(h)), "proj"
 
 
+def build_reversible(dynamic: bool) -> tuple[keras.Model, str]:
+    """ReversibleEmbedding(mask_zero) attaches its mask only in call() (none when traced
+    symbolically) | MHA reads it."""
+    ids = _ids_input(dynamic)
+    h = layers.ReversibleEmbedding(VOCAB, DIM, mask_zero=True, name="emb")(ids)
+    a = layers.MultiHeadAttention(2, 4, name="mha")(h, h)
+    return keras.Model(ids, layers.Dense(3, name="head")(a)), "emb"
+
+
+def build_hub_encoder(dynamic: bool) -> tuple[keras.Model, str]:
+    """keras_hub TokenAndPositionEmbedding(mask_zero) (a mask attached in call()) |
+    TransformerEncoder, which reads it as its padding mask -> pooled."""
+    ids = _ids_input(dynamic)
+    h = keras_hub.layers.TokenAndPositionEmbedding(VOCAB, SEQ, DIM, mask_zero=True,
+                                                   name="emb")(ids)
+    h = keras_hub.layers.TransformerEncoder(16, 2, name="encoder")(h)
+    pooled = layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model(ids, layers.Dense(3, name="head")(pooled)), "emb"
+
+
+def build_nested(dynamic: bool) -> tuple[keras.Model, str]:
+    """A nested model traced without masks, called on a masked tensor and cut inside: its
+    inner tensors carry the mask when the model runs | MHA reads it."""
+    inner_in = keras.Input((None, DIM), name="inner_in")
+    inner_out = layers.Dense(DIM, name="inner_b")(layers.Dense(DIM, name="inner_a")(inner_in))
+    inner = keras.Model(inner_in, inner_out, name="inner")
+    ids = _ids_input(dynamic)
+    h = inner(_emb(ids))
+    a = layers.MultiHeadAttention(2, 4, name="mha")(h, h)
+    return keras.Model(ids, layers.Dense(3, name="head")(a)), "inner_a"
+
+
 def _floats(seq: int) -> np.ndarray:
     """(BATCH, seq, 4) with all-zero (masked) steps at the ends of some rows."""
     x = np.random.default_rng(1).normal(size=(BATCH, seq, 4)).astype("float32")
@@ -98,6 +135,9 @@ CASES: dict[str, tuple[Callable[[bool], tuple[keras.Model, str]], Callable[[int]
     "gru": (build_gru, _tokens),
     "masking_pool": (build_masking_pool, _floats),
     "time_distributed": (build_time_distributed, _tokens),
+    "reversible": (build_reversible, _tokens),
+    "hub_encoder": (build_hub_encoder, _tokens),
+    "nested": (build_nested, _tokens),
 }
 
 
@@ -215,3 +255,25 @@ def test_mask_boundaries_of_dynamic_length_resolve_from_the_input_shapes() -> No
     resolver = ShapeResolver(traced, ["emb:0:0#mask", "head:0:0#mask", "emb:0:0"])
     assert resolver.shapes({"ids:0:0": (3, 11)}) == {
         "emb:0:0#mask": (3, 11), "head:0:0#mask": (3, 11), "emb:0:0": (3, 11, DIM)}
+
+
+class _MaskWhenInferring(layers.Layer):
+    """Attaches a mask in inference only: a stage could not know whether to send one."""
+
+    def call(self, x: Any, training: bool | None = None) -> Any:
+        out = x * 1.0
+        if not training:
+            keras.src.backend.set_keras_mask(out, keras.ops.not_equal(x[..., 0], 0.0))
+        return out
+
+
+def test_a_mask_that_comes_and_goes_is_a_clear_error() -> None:
+    x = keras.Input((SEQ, 4), name="x")
+    model = keras.Model(x, layers.Dense(2, name="head")(_MaskWhenInferring(name="flaky")(x)))
+    traced = trace(model)
+    assert traced.masks == {"flaky:0:0": "flaky:0:0#mask", "head:0:0": "head:0:0#mask"}
+    data = _floats(SEQ)
+    traced(data)  # inference: as traced
+    with pytest.raises(StepError, match=r"must attach the same Keras masks .* Received: layer "
+                                        r"'flaky' returned no mask for 'flaky:0:0'"):
+        traced(data, training=True)

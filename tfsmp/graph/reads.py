@@ -41,7 +41,8 @@ from tfsmp.graph import costs
 from tfsmp.graph.deferred import deferred_scope
 from tfsmp.graph.ir import LayerNode, Tie
 
-__all__ = ["call_reads", "shared", "split_tied_calls", "variable_owners"]
+__all__ = ["call_reads", "placeholder", "record_reads", "shared", "split_tied_calls",
+           "variable_owners"]
 
 Reads = dict[int, Any]  # id(variable) -> variable, in first-read order
 
@@ -128,7 +129,7 @@ def record_reads(call: Any) -> Reads | None:
 
 def _run_on_placeholders(call: Any, recorder: _ReadRecorder, training: bool | None) -> None:
     with tf.__internal__.FuncGraph("tfsmp_reads").as_default():
-        values = {id(t): _placeholder(t) for t in call.arguments.keras_tensors}
+        values = {id(t): placeholder(t) for t in call.arguments.keras_tensors}
         args, kwargs = call.arguments.fill_in(values)
         if training is not None:
             kwargs = {**kwargs, "training": training}
@@ -136,9 +137,11 @@ def _run_on_placeholders(call: Any, recorder: _ReadRecorder, training: bool | No
             tree.flatten(call.layer(*args, **kwargs))
 
 
-def _placeholder(t: Any) -> Any:
+def placeholder(t: Any) -> Any:
+    """A placeholder in the current scratch graph shaped like KerasTensor ``t`` (as
+    ``backend.compute_output_spec`` makes them)."""
     if t.sparse:
-        return tf.compat.v1.sparse_placeholder(shape=t.shape, dtype=t.dtype)
+        return tf.compat.v1.sparseplaceholder(shape=t.shape, dtype=t.dtype)
     return tf.compat.v1.placeholder(shape=t.shape, dtype=t.dtype)
 
 

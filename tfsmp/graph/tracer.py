@@ -33,18 +33,17 @@ not None and the layer takes it. Masks ride on the tensors (``_keras_mask``) as 
 `Masking`, and every layer that propagates it), and a layer reads it from its inputs (the
 ``mask``/``query_mask``/… arguments Keras fills in, or ``compute_mask``). A tensor received from
 another stage, or returned by a compiled function, carries no attribute, so the tracer makes the
-mask a tensor of its own: every traced tensor whose symbolic ``KerasTensor`` carries a mask gets
-a companion key ``"<key>#mask"`` (`TracedModel.masks`), written by the same call as the data
-(`Call.output_mask_keys`) and read by every Keras layer that reads the data
-(`Call.input_mask_keys`; ``keras.ops`` calls ignore masks). The `LayerGraph` holds it as an
-ordinary bool tensor, so the partitioner prices it and makes it a boundary wherever its data is
-one; a model output's mask is a graph output too. `Call.run` re-attaches the masks it finds in
-``env`` to its inputs before calling and writes its outputs' masks into ``env`` after, so a
-stage that receives data and masks computes exactly what Keras computes. A mask that the model
-computes explicitly (``ops.not_equal(ids, 0)`` passed as ``mask=``, which Keras records for a
-single-input layer such as LSTM) is also an ordinary traced tensor. Masks are known from the
-symbolic trace: a layer that attaches a mask only when run eagerly, inside a nested model whose
-own trace saw no mask, keeps it only within its stage.
+mask a tensor of its own: every traced tensor that carries a mask when the model runs
+([Note: mask discovery] in `masks.py`) gets a companion key ``"<key>#mask"``
+(`TracedModel.masks`), written by the same call as the data (`Call.output_mask_keys`) and read by
+every Keras layer that reads the data (`Call.input_mask_keys`; ``keras.ops`` calls ignore
+masks). The `LayerGraph` holds it as an ordinary bool tensor, so the partitioner prices it and
+makes it a boundary wherever its data is one; a model output's mask is a graph output too.
+`Call.run` re-attaches the masks it finds in ``env`` to its inputs before calling and writes its
+outputs' masks into ``env`` after, so a stage that receives data and masks computes exactly what
+Keras computes. A mask that the model computes explicitly (``ops.not_equal(ids, 0)`` passed as
+``mask=``, which Keras records for a single-input layer such as LSTM) is also an ordinary traced
+tensor.
 """
 
 from __future__ import annotations
@@ -73,6 +72,7 @@ from tfsmp.errors import StepError, TfsmpError, TraceError
 from tfsmp.graph import costs
 from tfsmp.graph.deferred import deferred_scope
 from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo
+from tfsmp.graph.masks import attach_masks, mask_key
 from tfsmp.graph.reads import Reads, call_reads, shared, split_tied_calls, variable_owners
 
 __all__ = ["Call", "TracedModel", "trace"]
@@ -110,12 +110,12 @@ class Call:
         See [Note: call semantics] and [Note: masks].
 
         Raises:
-            StepError: if an output the trace saw masked comes out without a mask.
+            StepError: if an output that was masked when traced comes out without a mask.
         """
         inputs = [env[k] for k in self.input_keys]
-        for value, mask_key in zip(inputs, self.input_mask_keys):
-            if mask_key is not None and mask_key in env:
-                set_keras_mask(value, env[mask_key])
+        for value, mkey in zip(inputs, self.input_mask_keys):
+            if mkey is not None and mkey in env:
+                set_keras_mask(value, env[mkey])
         values = {id(t): v for t, v in zip(self.arguments.keras_tensors, inputs)}
         args, kwargs = self.arguments.fill_in(values)
         if training is not None and "training" in getattr(self.layer, "_call_context_args", ()):
@@ -123,19 +123,19 @@ class Call:
         outputs = tree.flatten(self.layer(*args, **kwargs))
         for key, value in zip(self.output_keys, outputs):
             env[key] = value
-        for value, mask_key in zip(outputs, self.output_mask_keys):
-            if mask_key is not None:
-                env[mask_key] = self._mask_of(value, mask_key)
+        for value, mkey in zip(outputs, self.output_mask_keys):
+            if mkey is not None:
+                env[mkey] = self._mask_of(value, mkey)
 
-    def _mask_of(self, value: Any, mask_key: str) -> Any:
+    def _mask_of(self, value: Any, mkey: str) -> Any:
         mask = get_keras_mask(value)
         if mask is None:
             raise StepError(
                 f"A layer must attach the same Keras masks when it runs as when it was traced, "
                 f"because masks cross stages as tensors of their own. Received: layer "
-                f"'{self.layer_name}' returned no mask for '{mask_key.split('#')[0]}', which "
-                f"was masked in the symbolic trace. Make the layer's compute_mask agree with "
-                f"its call, or keep the layers reading this mask on one stage.")
+                f"'{self.layer_name}' returned no mask for '{mkey.split('#')[0]}', which "
+                f"was masked when the model was traced. Make the layer attach its mask in "
+                f"every call, or keep the layers reading this mask on one stage.")
         return mask
 
 
@@ -310,6 +310,7 @@ def trace(model: keras.Model, batch_size: int | None = None, sample_input: Any =
     input_keys = [keymap[id(t)] for t in top.fn.inputs]
     output_keys = [keymap[id(t)] for t in top.fn.outputs]
     calls = flat.finish(input_names=[_producer(t).name for t in top.fn.inputs])
+    flat.attach_masks(calls, {keymap[id(t)]: t for t in top.fn.inputs})
     read = call_reads(calls)  # [Note: variable reads] in reads.py
     calls = split_tied_calls(calls, read)
     rename = flat.final_keys
@@ -492,8 +493,8 @@ class _Flattener:
         self.final_keys: dict[str, str] = {}
         self.names: dict[int, str] = {}
         self.masked: dict[str, Any] = {}  # provisional key -> its symbolic mask ([Note: masks])
-        self.masks: dict[str, str] = {}  # final key -> mask key, set by finish
-        self.mask_specs: dict[str, Any] = {}  # mask key -> symbolic mask, set by finish
+        self.specs: dict[str, Any] = {}  # provisional key -> its KerasTensor
+        self.masks: dict[str, Any] = {}  # final key -> its mask's spec, set by `attach_masks`
 
     def expand(self, fn: Any, keymap: dict[int, str], path: tuple[int, ...], owner: str) -> None:
         """Adds ``fn``'s calls; ``keymap`` maps id(KerasTensor) of ``fn`` -> key (extended here)."""
@@ -509,6 +510,7 @@ class _Flattener:
             self.raw.append(_RawCall(op, node, here, [keymap[id(t)] for t in node.input_tensors],
                                      keys, owner))
             keymap.update({id(t): k for t, k in zip(node.outputs, keys)})
+            self.specs.update(zip(keys, node.outputs))
             self.masked.update((k, get_keras_mask(t)) for k, t in zip(keys, node.outputs)
                                if _has_mask(t))
 
@@ -536,19 +538,19 @@ class _Flattener:
             name = self.names[id(rc.op)]
             for i, k in enumerate(rc.output_keys):
                 self.final_keys[k] = f"{name}:{index[pos]}:{i}"
-        self.masks = {self.final_keys[k]: f"{self.final_keys[k]}#mask" for k in self.masked}
-        self.mask_specs = {f"{self.final_keys[k]}#mask": m for k, m in self.masked.items()}
-        calls = []
-        for pos, rc in enumerate(self.raw):
-            inputs = [self.final_keys.get(k, k) for k in rc.input_keys]
-            outputs = [self.final_keys[k] for k in rc.output_keys]
-            reads_masks = isinstance(rc.op, keras.layers.Layer)  # keras.ops ignore masks
-            calls.append(Call(
-                layer=rc.op, layer_name=self.names[id(rc.op)], call_index=index[pos],
-                input_keys=inputs, output_keys=outputs, arguments=rc.node.arguments,
-                input_mask_keys=[self.masks.get(k) if reads_masks else None for k in inputs],
-                output_mask_keys=[self.masks.get(k) for k in outputs]))
+        calls = [Call(layer=rc.op, layer_name=self.names[id(rc.op)], call_index=index[pos],
+                      input_keys=[self.final_keys.get(k, k) for k in rc.input_keys],
+                      output_keys=[self.final_keys[k] for k in rc.output_keys],
+                      arguments=rc.node.arguments) for pos, rc in enumerate(self.raw)]
         return calls
+
+    def attach_masks(self, calls: list[Call], inputs: dict[str, Any]) -> None:
+        """Gives the calls their mask keys ([Note: masks], [Note: mask discovery] in
+        `masks.py`); ``inputs``: ``{input key: KerasTensor}``."""
+        final = self.final_keys
+        specs = {**inputs, **{final[k]: t for k, t in self.specs.items()}}
+        symbolic = {final[k]: m for k, m in self.masked.items()}
+        self.masks = attach_masks(calls, specs, symbolic)
 
     def _name_ops(self, input_names: list[str]) -> None:
         owners: dict[str, tuple[Any, str]] = {n: (None, "the model inputs") for n in input_names}
@@ -647,12 +649,14 @@ def _assemble(model: keras.Model, top: _Top, calls: list[Call], read: list[Reads
     nodes = _layer_nodes(calls, flat, owned, trainable)
     for c, rc in zip(calls, flat.raw):
         outs = [_info(k, c.layer_name, t) for k, t in zip(c.output_keys, rc.node.outputs)]
-        outs += [_info(k, c.layer_name, flat.mask_specs[k]) for k in c.output_mask_keys if k]
+        outs += [_info(mask_key(k), c.layer_name, flat.masks[k]) for k in c.output_keys
+                 if k in flat.masks]
         graph.add_layer(nodes[c.layer_name], [*c.input_keys, *filter(None, c.input_mask_keys)],
                         outs)
-    output_masks = [flat.masks.get(k) for k in output_keys]
+    masks = {k: mask_key(k) for k in flat.masks}
+    output_masks = [masks.get(k) for k in output_keys]
     graph.set_outputs([*output_keys, *filter(None, output_masks)])
-    graph.masks = dict(flat.masks)
+    graph.masks = masks
     graph.colocate, graph.ties = shared(uses, nodes)
     order = {id(v): i for i, v in enumerate(model.variables)}
     return TracedModel(
@@ -661,7 +665,7 @@ def _assemble(model: keras.Model, top: _Top, calls: list[Call], read: list[Reads
         input_specs=list(fn.inputs), inputs_struct=fn._inputs_struct,
         outputs_struct=fn._outputs_struct, unpack_singleton=top.unpack_singleton,
         cast_all_inputs=top.cast_all_inputs, layers=layers, uses=uses, variable_order=order,
-        masks=dict(flat.masks), output_mask_keys=output_masks)
+        masks=dict(masks), output_mask_keys=output_masks)
 
 
 def _info(key: str, producer: str, t: Any) -> TensorInfo:
@@ -686,7 +690,7 @@ def _layer_nodes(calls: list[Call], flat: _Flattener, owned: dict[str, list[Any]
                                   rc.node.outputs)
         node.flops_forward += fwd
         node.flops_backward += costs.backward_flops(c.layer, fwd)
-        masks = [flat.mask_specs[k] for k in c.output_mask_keys if k]
+        masks = [flat.masks[k] for k in c.output_keys if k in flat.masks]
         node.activation_bytes += sum(_info("", "", t).bytes_per_sample
                                      for t in [*rc.node.outputs, *masks])
         node.calls += 1
