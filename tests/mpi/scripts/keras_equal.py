@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,22 +55,74 @@ def tfsmp_rank() -> int:
     return int(MPI.COMM_WORLD.Get_rank())
 
 
+Reference = tuple[list[np.ndarray], list[float], list[np.ndarray]]
+RefSpec = tuple[Callable[[], keras.Model], Callable[[], dict[str, Any]], list[tuple[Any, ...]]]
+_REFERENCES: dict[str, Reference] = {}
+
+
+def train_reference(build: Callable[[], keras.Model], compile_args: Callable[[], dict[str, Any]],
+                    batches: list[tuple[Any, ...]]) -> Reference:
+    """(initial weights, per-step losses, final weights) of plain Keras, in this process."""
+    model = build()
+    init = model.get_weights()
+    model.compile(**compile_args())
+    losses = [_first(model.train_on_batch(*b)) for b in batches]
+    return init, losses, model.get_weights()
+
+
 def reference(build: Callable[[], keras.Model], compile_args: Callable[[], dict[str, Any]],
-              batches: list[tuple[Any, ...]]) -> tuple[list[np.ndarray], list[float],
-                                                       list[np.ndarray]]:
-    """(initial weights, per-step losses, final weights) of plain Keras, trained on rank 0."""
+              batches: list[tuple[Any, ...]]) -> Reference:
+    """`train_reference` on rank 0, its result on every rank."""
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    model = build()
-    init = model.get_weights()
-    out = None
-    if world.Get_rank() == 0:
-        model.compile(**compile_args())
-        losses = [_first(model.train_on_batch(*b)) for b in batches]
-        out = (losses, model.get_weights())
-    losses, weights = world.bcast(out, root=0)
-    return init, losses, weights
+    out = train_reference(build, compile_args, batches) if world.Get_rank() == 0 else None
+    return world.bcast(out, root=0)  # type: ignore[no-any-return]
+
+
+def references(specs: dict[str, RefSpec], folder: str | None = None) -> dict[str, float]:
+    """Trains the plain Keras reference of every named model once, the i-th on rank i mod size
+    (all ranks train at once, then exchange), and keeps them for `compare(cache=name)`. With
+    ``folder``, references found there (saved by an earlier launch) are loaded instead, and new
+    ones are saved. Returns the seconds each reference took on its owner."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    paths = {name: os.path.join(folder, f"{name}.npz") if folder else "" for name in specs}
+    found = world.bcast([n for n, p in paths.items() if p and os.path.exists(p)]
+                        if rank == 0 else None, root=0)
+    owner = {name: i % size for i, name in enumerate(specs)}
+    mine: dict[str, tuple[Reference, float]] = {}
+    for name, (build, compile_args, batches) in specs.items():
+        if name not in found and owner[name] == rank:
+            start = time.monotonic()
+            mine[name] = (train_reference(build, compile_args, batches),
+                          round(time.monotonic() - start, 2))
+            if paths[name]:
+                _save(paths[name], mine[name][0])
+    seconds: dict[str, float] = {}
+    for name in specs:
+        if name in found:
+            _REFERENCES[name], seconds[name] = _load(paths[name]), 0.0
+        else:
+            _REFERENCES[name], seconds[name] = world.bcast(mine.get(name), root=owner[name])
+    return seconds
+
+
+def _save(path: str, ref: Reference) -> None:
+    init, losses, weights = ref
+    tmp = f"{path}.{os.getpid()}.npz"
+    arrays = {f"arr_{i}": a for i, a in enumerate([*init, *weights])}
+    np.savez(tmp, losses=np.asarray(losses), n=len(init), **arrays)
+    os.replace(tmp, path)
+
+
+def _load(path: str) -> Reference:
+    with np.load(path) as f:
+        n = int(f["n"])
+        arrays = [f[f"arr_{i}"] for i in range(2 * n)]
+        return arrays[:n], [float(x) for x in f["losses"]], arrays[n:]
 
 
 def pipelined(build: Callable[[], keras.Model], init: list[np.ndarray],
@@ -85,11 +138,20 @@ def pipelined(build: Callable[[], keras.Model], init: list[np.ndarray],
 
 
 def compare(build: Callable[[], keras.Model], compile_args: Callable[[], dict[str, Any]],
-            batches: list[tuple[Any, ...]], rtol: float = RTOL, atol: float = ATOL
-            ) -> dict[str, Any]:
-    """Trains both ways and reports losses, the weight error and whether both agree."""
-    init, ref_losses, ref_weights = reference(build, compile_args, batches)
+            batches: list[tuple[Any, ...]], rtol: float = RTOL, atol: float = ATOL,
+            cache: str | None = None) -> dict[str, Any]:
+    """Trains both ways and reports losses, the weight error and whether both agree.
+    ``cache``: a name under which this launch keeps the reference for later cases."""
+    start = time.monotonic()
+    found = _REFERENCES.get(cache) if cache is not None else None
+    if found is None:
+        found = reference(build, compile_args, batches)
+        if cache is not None:
+            _REFERENCES[cache] = found
+    init, ref_losses, ref_weights = found
+    middle = time.monotonic()
     losses, weights, dm = pipelined(build, init, compile_args, batches)
+    seconds = (round(middle - start, 2), round(time.monotonic() - middle, 2))
     err = weight_error(weights, ref_weights, rtol, atol)
     names = [w.path for w in dm.weights]
     worst = max(range(len(weights)), key=lambda i: weight_error([weights[i]], [ref_weights[i]],
@@ -99,7 +161,8 @@ def compare(build: Callable[[], keras.Model], compile_args: Callable[[], dict[st
     return {"ok": bool(loss_ok and err <= 1.0), "losses": losses, "ref_losses": ref_losses,
             "weight_err": err, "worst_weight": names[worst] if names else None,
             "stage_of": dict(plan.stage_of), "ties": [list(t.nodes) for t in plan.ties],
-            "boundaries": [b.tensor for b in plan.boundaries]}
+            "boundaries": [b.tensor for b in plan.boundaries],
+            "seconds": seconds}  # (reference, pipelined)
 
 
 def _first(value: Any) -> float:
