@@ -21,8 +21,9 @@ every read of a variable goes through ``KerasVariable.value``, which asks the ac
 scope for ``get_current_value(variable)`` first — ``tf.convert_to_tensor`` and every TF op
 (``__tf_tensor__``), ``keras.ops`` (the TF backend's ``convert_to_tensor`` passes a variable
 through and the op then converts it), ``tf.gather`` (a Keras variable has no ``sparse_read``, so
-it is converted too), ``.handle``, arithmetic operators and ``.numpy()``. Nothing runs and no
-weight is allocated: a deferred variable reads as its initializer's graph. A variable passed to a
+it is converted too), ``.handle``, arithmetic operators and ``.numpy()``. The scope answers
+each read with a placeholder (`ScratchScope`), so nothing runs, no weight is allocated and no
+initializer enters the graph. A variable passed to a
 ``keras.ops`` call is read by it. A layer's variable that none of its calls reads stays with its
 first call's node, so every variable still lives on some stage. If a call cannot run on
 placeholders, it is taken to read all of its layer's variables, as before.
@@ -30,6 +31,8 @@ placeholders, it is taken to read all of its layer's variables, as before.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import keras
@@ -41,8 +44,8 @@ from tfsmp.graph import costs
 from tfsmp.graph.deferred import deferred_scope
 from tfsmp.graph.ir import LayerNode, Tie
 
-__all__ = ["call_reads", "placeholder", "record_reads", "shared", "split_tied_calls",
-           "variable_owners"]
+__all__ = ["ScratchScope", "call_reads", "placeholder", "record_reads", "scratch_graph", "shared",
+           "split_tied_calls", "variable_owners"]
 
 Reads = dict[int, Any]  # id(variable) -> variable, in first-read order
 
@@ -101,47 +104,61 @@ def _keep_unread(calls: list[Any], reads: list[Reads]) -> None:
         reads[pos].update((id(v), v) for v in layer.variables if id(v) not in seen[key])
 
 
-class _ReadRecorder(keras.StatelessScope):  # type: ignore[misc]
-    """A stateless scope that notes every variable read inside it ([Note: variable reads])."""
+class ScratchScope(keras.StatelessScope):  # type: ignore[misc]
+    """A stateless scope for running calls in a scratch graph: it notes every variable read
+    ([Note: variable reads]) and reads each variable as a placeholder of its shape and dtype
+    (or as the value the call assigned to it), so no initializer or weight enters the graph."""
 
     def __init__(self) -> None:
         super().__init__(initialize_variables=False)
         self.read: Reads = {}
+        self._values: dict[int, Any] = {}
 
     def get_current_value(self, variable: Any) -> Any:
         self.read.setdefault(id(variable), variable)
-        return super().get_current_value(variable)
+        value = super().get_current_value(variable)  # assigned inside this scope
+        if value is None:
+            value = self._values.get(id(variable))
+        if value is None:
+            value = self._values[id(variable)] = tf.compat.v1.placeholder(
+                shape=tuple(variable.shape), dtype=variable.dtype)
+        return value
+
+
+@contextmanager
+def scratch_graph() -> Iterator[ScratchScope]:
+    """A fresh graph to run calls on placeholders in, as ``backend.compute_output_spec`` does:
+    variables created inside stay deferred, variables read are placeholders."""
+    with deferred_scope(), tf.__internal__.FuncGraph("tfsmp_scratch").as_default():
+        scope = ScratchScope()
+        with scope, SymbolicScope():
+            yield scope
 
 
 def record_reads(call: Any) -> Reads | None:
     """The variables one call reads when run (training and inference), or None when the call
     cannot run on placeholders. See [Note: variable reads]."""
-    recorder = _ReadRecorder()
+    read: Reads = {}
     takes_training = "training" in getattr(call.layer, "_call_context_args", ())
     try:
-        with deferred_scope():
-            for training in ((True, False) if takes_training else (None,)):
-                _run_on_placeholders(call, recorder, training)
+        for training in ((True, False) if takes_training else (None,)):
+            with scratch_graph() as scope:
+                values = {id(t): placeholder(t) for t in call.arguments.keras_tensors}
+                args, kwargs = call.arguments.fill_in(values)
+                if training is not None:
+                    kwargs = {**kwargs, "training": training}
+                tree.flatten(call.layer(*args, **kwargs))
+            read.update(scope.read)
     except Exception:  # a call that only runs on real data: assume it reads everything
         return None
-    return recorder.read
-
-
-def _run_on_placeholders(call: Any, recorder: _ReadRecorder, training: bool | None) -> None:
-    with tf.__internal__.FuncGraph("tfsmp_reads").as_default():
-        values = {id(t): placeholder(t) for t in call.arguments.keras_tensors}
-        args, kwargs = call.arguments.fill_in(values)
-        if training is not None:
-            kwargs = {**kwargs, "training": training}
-        with recorder, SymbolicScope():
-            tree.flatten(call.layer(*args, **kwargs))
+    return read
 
 
 def placeholder(t: Any) -> Any:
     """A placeholder in the current scratch graph shaped like KerasTensor ``t`` (as
     ``backend.compute_output_spec`` makes them)."""
     if t.sparse:
-        return tf.compat.v1.sparseplaceholder(shape=t.shape, dtype=t.dtype)
+        return tf.compat.v1.sparse_placeholder(shape=t.shape, dtype=t.dtype)
     return tf.compat.v1.placeholder(shape=t.shape, dtype=t.dtype)
 
 

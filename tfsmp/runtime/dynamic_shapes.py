@@ -19,9 +19,9 @@ computed for a model whose boundaries are all static.
 [Note: mask shapes] A Keras mask crossing stages is a boundary of its own ([Note: masks] in
 `tfsmp.graph.tracer`), and ``compute_output_spec`` says nothing about masks. A call that writes a
 mask is therefore run as Keras runs a layer without ``compute_output_shape``: on placeholders in
-a scratch graph (``backend.compute_output_spec``), through `Call.run`, which attaches the input
-masks and reads the output masks exactly as a stage does. That builds graph ops but runs
-nothing and allocates no weights (a deferred variable reads as its initializer's graph).
+a scratch graph (`tfsmp.graph.reads.scratch_graph`), through `Call.run`, which attaches the
+input masks and reads the output masks exactly as a stage does. That builds graph ops but runs
+nothing and allocates no weights (variables read as placeholders).
 
 Two checks keep a wrong shape from being silent: the sender compares each dynamic tensor it
 sends with the resolved shape (a layer whose ``compute_output_spec`` disagrees with its ``call``),
@@ -35,11 +35,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import keras
-import keras.src.backend
 from keras import tree
 
 from tfsmp.errors import StepError
 from tfsmp.graph.deferred import deferred_scope
+from tfsmp.graph.reads import placeholder, scratch_graph
 from tfsmp.partitioning.plan import Boundary, StagePlan
 
 __all__ = ["BoundaryShapes", "ShapeResolver", "is_dynamic"]
@@ -125,14 +125,11 @@ def _masked_spec(call: Any, env: dict[str, Any]) -> dict[str, Any]:
     """The specs of a call's outputs and of their masks. [Note: mask shapes]"""
     reads = [*call.input_keys, *(k for k in _masks(call.input_mask_keys) if k in env)]
     writes = _writes(call)
-
-    def run(values: dict[str, Any]) -> list[Any]:
-        local = dict(values)
+    with scratch_graph():
+        local = {k: placeholder(env[k]) for k in reads}
         call.run(local)
-        return [local[k] for k in writes]
-
-    out = keras.src.backend.compute_output_spec(run, {k: env[k] for k in reads})
-    return dict(zip(writes, out))
+        return {k: keras.KerasTensor(tuple(local[k].shape), dtype=local[k].dtype.name)
+                for k in writes}
 
 
 class BoundaryShapes:
