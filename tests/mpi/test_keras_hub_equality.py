@@ -1,10 +1,12 @@
 """keras_hub Llama, Mistral, Gemma (tied), Phi-3, BART, T5 and ViT train like plain Keras (issue 19).
 
 Small configs with random weights (`scripts/hub_cases.py`), Adam, 3 steps, the automatic
-planner; losses and every weight within rtol 1e-5, atol 1e-6 (T5: atol 1e-5, measured reason in
-hub_cases.py). Two launches: 2 ranks (p = 2, m = 1, and T5 at m = 4) and 4 ranks (p = 4,
-m = 2). Each launch first trains every plain Keras reference, spread over its ranks; the second
-launch reads the first's from disk.
+planner; losses and every weight within rtol 1e-5, atol 1e-6 (T5 and ViT: atol 1e-5; ViT's
+attention key biases, whose exact gradient is 0, only bounded; measured reasons in
+hub_cases.py). T5 at m > 1 and ViT at m = 2 rely on the sparse-gradient combination of issue 19
+(position lookups that do not depend on the batch). Two launches: 2 ranks (p = 2, m = 1, and T5
+at m = 4) and 4 ranks (p = 4, m = 2). Each launch first trains every plain Keras reference,
+spread over its ranks; the second launch reads the first's from disk.
 """
 
 from __future__ import annotations
@@ -21,24 +23,6 @@ SCRIPTS = Path(__file__).parent / "scripts"
 MODELS = ["llama", "mistral", "gemma", "phi3", "bart", "t5", "vit"]
 P2 = [f"case_{name}_p2" for name in MODELS] + ["case_t5_p2_m4"]
 P4 = [f"case_{name}_p4_m2" for name in MODELS]
-
-# [Note: sparse lookups] The gradient of a lookup whose indices do not depend on the batch
-# (T5's relative-position bias, ViT's position embedding) is an IndexedSlices that the runtime
-# concatenates per microbatch, so at m > 1 each index appears m times and Adam squares each
-# slice: not the full batch's gradient (issue 19, sparse gradients; the lead's rewrite of the
-# gradient bookkeeping combines them). Exact at m = 1, and with SGD at m = 2.
-# Only a weight mismatch after equal first losses counts as that failure (`SparseMismatch`); an
-# exception or a first step that differs fails the test.
-
-
-class SparseMismatch(AssertionError):
-    """The weights differ after 3 steps although the first step's loss agrees."""
-
-
-SPARSE = pytest.mark.xfail(strict=True, raises=SparseMismatch,
-                           reason="batch-independent sparse lookups concatenated per microbatch "
-                                  "(issue 19, sparse gradients)")
-EXPECTED_FAILURES = {"case_t5_p2_m4": SPARSE, "case_t5_p4_m2": SPARSE, "case_vit_p4_m2": SPARSE}
 
 
 @pytest.fixture(scope="module")
@@ -63,24 +47,16 @@ def _check(results: dict, case: str, ranks: int) -> None:
         r = results[case][rank]
         assert r["ok"], r["error"]
         out: dict[str, Any] = r["result"]
-        detail = {k: out[k] for k in ("weight_err", "worst_weight", "losses", "ref_losses",
-                                      "stage_of")}
-        assert out["losses"][0] == pytest.approx(out["ref_losses"][0], rel=1e-5), detail
-        if not out["ok"]:
-            raise SparseMismatch(detail)
+        assert out["ok"], {k: out[k] for k in ("weight_err", "worst_weight", "noise_ok",
+                                               "losses", "ref_losses", "stage_of")}
 
 
-def _cases(names: list[str]) -> list[Any]:
-    return [pytest.param(c, marks=EXPECTED_FAILURES[c]) if c in EXPECTED_FAILURES else c
-            for c in names]
-
-
-@pytest.mark.parametrize("case", _cases(P2))
+@pytest.mark.parametrize("case", P2)
 def test_keras_hub_model_trains_like_keras_at_p2(p2: dict, case: str) -> None:
     _check(p2, case, 2)
 
 
-@pytest.mark.parametrize("case", _cases(P4))
+@pytest.mark.parametrize("case", P4)
 def test_keras_hub_model_trains_like_keras_at_p4(p4: dict, case: str) -> None:
     _check(p4, case, 4)
 

@@ -117,7 +117,7 @@ MODELS: dict[str, tuple[Callable[[], keras.Model], Callable[[], list[tuple[Any, 
 
 
 def _compile() -> dict[str, Any]:
-    return {"optimizer": keras.optimizers.Adam(1e-2),
+    return {"optimizer": keras.optimizers.Adam(LR),
             "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
 
 
@@ -128,12 +128,20 @@ def _seeded(build: Callable[[], keras.Model]) -> Callable[[], keras.Model]:
     return make
 
 
-# T5 at p = 2, m = 1 differed from plain Keras by up to 1.4e-6 (1.24 x the standard tolerance)
-# in cross-attention query/key kernels, whose gradients are near Adam's epsilon (1e-7), where
-# Adam's update g / (|g| + eps) turns round-off in g into 1e5 x larger weight changes. Measured:
-# the same case is bit-exact at p = 1, 0.0065 x the tolerance with SGD and 0.013 x with
-# Adam(epsilon=1e-4). So T5 is held to atol 1e-5 (rtol stays 1e-5).
-ATOL = {"t5": 1e-5}
+# Tolerances beyond rtol 1e-5 / atol 1e-6, each measured. Adam's update g / (|g| + eps), with
+# eps = 1e-7, turns round-off in a gradient near eps into a 1e5 x larger weight change:
+# - T5 at p = 2, m = 1 differed by up to 1.4e-6 (1.24 x the standard tolerance) in
+#   cross-attention query/key kernels: bit-exact at p = 1, 0.0065 x with SGD, 0.013 x with
+#   Adam(epsilon=1e-4). So T5 is held to atol 1e-5.
+# - ViT at m = 2 differed by up to 9.3e-6 (1.93 x) in attention value kernels, the same at p = 1
+#   (summing two microbatches' gradients rounds differently from the full batch's): 0.31 x with
+#   Adam(epsilon=1e-4), bit-exact at m = 1. So ViT is held to atol 1e-5 too.
+# - Attention key biases get an exact gradient of 0 (softmax ignores a per-query constant), so
+#   Adam moves them by lr x the sign of round-off (ViT, p = 1, m = 2: |dw| 2.2e-4, 223 x): they
+#   are only held to |w| <= STEPS x lr on both sides (`keras_equal.compare(noise=...)`).
+ATOL = {"t5": 1e-5, "vit": 1e-5}
+NOISE = {"vit": r"/mha/key/bias$"}
+LR = 1e-2
 
 
 def case_references(ctx: object) -> dict[str, float]:
@@ -146,7 +154,8 @@ def case_references(ctx: object) -> dict[str, float]:
 def train(name: str, partitions: int, microbatches: int) -> dict[str, Any]:
     build, data = MODELS[name]
     reinit({}, partitions=partitions, microbatches=microbatches)
-    return compare(_seeded(build), _compile, data(), cache=name, atol=ATOL.get(name, 1e-6))
+    return compare(_seeded(build), _compile, data(), cache=name, atol=ATOL.get(name, 1e-6),
+                   noise=NOISE.get(name), noise_bound=STEPS * LR)
 
 
 def __getattr__(case: str) -> Callable[[object], dict[str, Any]]:
