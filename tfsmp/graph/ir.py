@@ -24,6 +24,13 @@ must advance in call order on one stage; so the *layer* graph may contain cycles
 `LayerGraph.groups()` returns the components, merged further with `colocate` (layers sharing a
 non-trainable variable).
 
+[Note: mask tensors] A Keras mask (``_keras_mask`` on a tensor) is a tensor of the graph of its
+own, keyed ``"<key>#mask"`` (`LayerGraph.masks` maps data key -> mask key), bool, produced by the
+layer that produces the data and read by the layers that read it. So a cut through a masked
+tensor is also a cut through its mask and both are priced and sent. ``outputs`` lists the model
+outputs, then the masks of those that have one (the last stage needs both). See [Note: masks] in
+`tfsmp.graph.tracer`.
+
 [Note: tied copies] A layer whose variables are all trainable is instead one node per call
 (`LayerNode.layer` names the Keras layer; the first call in execution order keeps the plain
 name, later calls are ``"<layer>@<call>"``), and layers sharing trainable variables (a tied
@@ -176,6 +183,8 @@ class LayerGraph:
     colocate: list[frozenset[str]] = field(default_factory=list)
     # layers sharing trainable variables, which may sit apart holding copies ([Note: tied copies])
     ties: list[Tie] = field(default_factory=list)
+    # tensor key -> key of its Keras mask, itself a bool tensor of the graph ([Note: mask tensors])
+    masks: dict[str, str] = field(default_factory=dict)
     name: str = "model"
     _readers: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
 
@@ -329,7 +338,7 @@ class LayerGraph:
         tied layers on one stage (no copies)."""
         return LayerGraph(
             nodes=self.nodes, tensors=self.tensors, reads=self.reads, writes=self.writes,
-            inputs=self.inputs, outputs=self.outputs, name=self.name, ties=[],
+            inputs=self.inputs, outputs=self.outputs, name=self.name, ties=[], masks=self.masks,
             colocate=[*self.colocate, *(frozenset(t.nodes) for t in self.ties)])
 
     def topological_order(self) -> list[str]:

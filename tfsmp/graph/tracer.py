@@ -21,13 +21,29 @@ counted over this model's nodes only; tensor keys follow [Note: tensor keys] in 
 Keras's own names for them come from a process-wide counter and differ between processes.
 A leaf called several times whose variables are all trainable becomes one graph node per call
 (``"<layer>@<call>"`` after the first call in execution order), so its calls may run on
-different stages, each holding a copy of its variables ([Note: tied copies] in `ir.py`).
+different stages, each holding a copy of the variables it reads ([Note: tied copies] in `ir.py`;
+which variables a call reads: [Note: variable reads] in `reads.py`).
 
 [Note: call semantics] `Call.run` calls the layer as `Functional` does: the node's recorded
 args/kwargs with tensors substituted, and ``training`` overriding the recorded value when it is
-not None and the layer takes it. Masks ride on the tensors (``_keras_mask``), so they propagate
-as in Keras while the tensors stay in one process; a tensor received from another stage carries
-no mask.
+not None and the layer takes it. Masks ride on the tensors (``_keras_mask``) as in Keras; see
+[Note: masks] for how they cross stages.
+
+[Note: masks] A Keras mask rides on its tensor (``_keras_mask``: `Embedding(mask_zero=True)`,
+`Masking`, and every layer that propagates it), and a layer reads it from its inputs (the
+``mask``/``query_mask``/… arguments Keras fills in, or ``compute_mask``). A tensor received from
+another stage, or returned by a compiled function, carries no attribute, so the tracer makes the
+mask a tensor of its own: every traced tensor that carries a mask when the model runs
+([Note: mask discovery] in `masks.py`) gets a companion key ``"<key>#mask"``
+(`TracedModel.masks`), written by the same call as the data (`Call.output_mask_keys`) and read by
+every Keras layer that reads the data (`Call.input_mask_keys`; ``keras.ops`` calls ignore
+masks). The `LayerGraph` holds it as an ordinary bool tensor, so the partitioner prices it and
+makes it a boundary wherever its data is one; a model output's mask is a graph output too.
+`Call.run` re-attaches the masks it finds in ``env`` to its inputs before calling and writes its
+outputs' masks into ``env`` after, so a stage that receives data and masks computes exactly what
+Keras computes. A mask that the model computes explicitly (``ops.not_equal(ids, 0)`` passed as
+``mask=``, which Keras records for a single-input layer such as LSTM) is also an ordinary traced
+tensor.
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
+from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.models.functional import Functional
 from keras.src.ops.function import make_node_key
 from keras.src.ops.node import Node
@@ -54,7 +71,9 @@ from keras.src.ops.symbolic_arguments import SymbolicArguments
 from tfsmp.errors import StepError, TfsmpError, TraceError
 from tfsmp.graph import costs
 from tfsmp.graph.deferred import deferred_scope
-from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo, Tie
+from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo
+from tfsmp.graph.masks import attach_masks, mask_key
+from tfsmp.graph.reads import Reads, call_reads, shared, split_tied_calls, variable_owners
 
 __all__ = ["Call", "TracedModel", "trace"]
 
@@ -80,19 +99,44 @@ class Call:
     output_keys: list[str]
     arguments: SymbolicArguments = field(repr=False)
     keras_name: str = ""  # the Keras layer's name when ``layer_name`` is a tied copy's node
+    # [Note: masks]: aligned with input_keys / output_keys, None where a tensor has no mask
+    input_mask_keys: list[str | None] = field(default_factory=list)
+    output_mask_keys: list[str | None] = field(default_factory=list)
 
     def run(self, env: dict[str, Any], training: bool | None = None) -> None:
-        """Reads ``env[input_keys]``, calls the layer, writes ``env[output_keys]``.
+        """Reads ``env[input_keys]`` (and their masks), calls the layer, writes
+        ``env[output_keys]`` and the outputs' masks.
 
-        See [Note: call semantics].
+        See [Note: call semantics] and [Note: masks].
+
+        Raises:
+            StepError: if an output that was masked when traced comes out without a mask.
         """
-        values = {id(t): env[k] for t, k in zip(self.arguments.keras_tensors, self.input_keys)}
+        inputs = [env[k] for k in self.input_keys]
+        for value, mkey in zip(inputs, self.input_mask_keys):
+            if mkey is not None and mkey in env:
+                set_keras_mask(value, env[mkey])
+        values = {id(t): v for t, v in zip(self.arguments.keras_tensors, inputs)}
         args, kwargs = self.arguments.fill_in(values)
         if training is not None and "training" in getattr(self.layer, "_call_context_args", ()):
             kwargs = {**kwargs, "training": training}
         outputs = tree.flatten(self.layer(*args, **kwargs))
         for key, value in zip(self.output_keys, outputs):
             env[key] = value
+        for value, mkey in zip(outputs, self.output_mask_keys):
+            if mkey is not None:
+                env[mkey] = self._mask_of(value, mkey)
+
+    def _mask_of(self, value: Any, mkey: str) -> Any:
+        mask = get_keras_mask(value)
+        if mask is None:
+            raise StepError(
+                f"A layer must attach the same Keras masks when it runs as when it was traced, "
+                f"because masks cross stages as tensors of their own. Received: layer "
+                f"'{self.layer_name}' returned no mask for '{mkey.split('#')[0]}', which "
+                f"was masked when the model was traced. Make the layer attach its mask in "
+                f"every call, or keep the layers reading this mask on one stage.")
+        return mask
 
 
 @dataclass
@@ -121,6 +165,9 @@ class TracedModel:
     layers: dict[str, Any] = field(default_factory=dict, repr=False)
     uses: dict[str, list[Any]] = field(default_factory=dict, repr=False)
     variable_order: dict[int, int] = field(default_factory=dict, repr=False)
+    # [Note: masks]: tensor key -> its mask's key; the output masks, aligned with output_keys
+    masks: dict[str, str] = field(default_factory=dict)
+    output_mask_keys: list[str | None] = field(default_factory=list)
 
     def layer(self, name: str) -> Any:
         """The Keras layer (or ``keras.ops`` operation) of a graph node."""
@@ -148,9 +195,20 @@ class TracedModel:
         flat = self._flatten_inputs(x)
         return {k: self._convert(v, spec) for k, v, spec in zip(self.input_keys, flat, self.input_specs)}
 
-    def pack_outputs(self, values: Iterable[Any]) -> Any:
-        """Flat output values (in `output_keys` order) -> the structure ``model(x)`` returns."""
-        out = tree.pack_sequence_as(self.outputs_struct, list(values))
+    def pack_outputs(self, values: Iterable[Any], masks: Iterable[Any] | None = None) -> Any:
+        """Flat output values (in `output_keys` order) -> the structure ``model(x)`` returns.
+
+        Args:
+            values: the output tensors.
+            masks: their Keras masks (aligned with `output_keys`, None where an output has
+                none; e.g. ``[env.get(k) if k else None for k in output_mask_keys]``), attached
+                to the values as ``model(x)`` attaches them. See [Note: masks].
+        """
+        values = list(values)
+        for value, mask in zip(values, masks if masks is not None else ()):
+            if mask is not None:
+                set_keras_mask(value, mask)
+        out = tree.pack_sequence_as(self.outputs_struct, values)
         if self.unpack_singleton and isinstance(out, (list, tuple)) and len(out) == 1:
             return out[0]
         return out
@@ -179,7 +237,11 @@ class TracedModel:
     def __call__(self, x: Any, training: bool | None = None) -> Any:
         """Runs the whole model: the same result as ``model(x, training=training)``."""
         values = self.run(self.pack_inputs(x), training=training)
-        return self.pack_outputs([values[k] for k in self.output_keys])
+        return self.pack_outputs([values[k] for k in self.output_keys], self.output_masks(values))
+
+    def output_masks(self, env: dict[str, Any]) -> list[Any]:
+        """The outputs' masks found in ``env`` (aligned with `output_keys`, None where none)."""
+        return [env.get(k) if k is not None else None for k in self.output_mask_keys]
 
     def _flatten_inputs(self, x: Any) -> list[Any]:
         if isinstance(x, dict) and all(n in x for n in self.input_names):
@@ -247,10 +309,13 @@ def trace(model: keras.Model, batch_size: int | None = None, sample_input: Any =
         flat.expand(top.fn, keymap, (), model.name)
     input_keys = [keymap[id(t)] for t in top.fn.inputs]
     output_keys = [keymap[id(t)] for t in top.fn.outputs]
-    calls = _split_tied_calls(flat.finish(input_names=[_producer(t).name for t in top.fn.inputs]))
+    calls = flat.finish(input_names=[_producer(t).name for t in top.fn.inputs])
+    flat.attach_masks(calls, {keymap[id(t)]: t for t in top.fn.inputs})
+    read = call_reads(calls)  # [Note: variable reads] in reads.py
+    calls = split_tied_calls(calls, read)
     rename = flat.final_keys
     output_keys = [rename.get(k, k) for k in output_keys]
-    return _assemble(model, top, calls, flat, input_keys, output_keys)
+    return _assemble(model, top, calls, read, flat, input_keys, output_keys)
 
 
 @dataclass
@@ -427,6 +492,9 @@ class _Flattener:
         self.raw: list[_RawCall] = []
         self.final_keys: dict[str, str] = {}
         self.names: dict[int, str] = {}
+        self.masked: dict[str, Any] = {}  # provisional key -> its symbolic mask ([Note: masks])
+        self.specs: dict[str, Any] = {}  # provisional key -> its KerasTensor
+        self.masks: dict[str, Any] = {}  # final key -> its mask's spec, set by `attach_masks`
 
     def expand(self, fn: Any, keymap: dict[int, str], path: tuple[int, ...], owner: str) -> None:
         """Adds ``fn``'s calls; ``keymap`` maps id(KerasTensor) of ``fn`` -> key (extended here)."""
@@ -442,6 +510,9 @@ class _Flattener:
             self.raw.append(_RawCall(op, node, here, [keymap[id(t)] for t in node.input_tensors],
                                      keys, owner))
             keymap.update({id(t): k for t, k in zip(node.outputs, keys)})
+            self.specs.update(zip(keys, node.outputs))
+            self.masked.update((k, get_keras_mask(t)) for k, t in zip(keys, node.outputs)
+                               if _has_mask(t))
 
     def _expand_model(self, model: keras.Model, node: Node, keymap: dict[int, str],
                       path: tuple[int, ...]) -> None:
@@ -449,7 +520,10 @@ class _Flattener:
         inner_map = {id(t): keymap[id(a)] for t, a in zip(inner.inputs, inner_inputs)}
         self.expand(inner, inner_map, path, model.name)
         for outer, inner_t in zip(node.outputs, inner.outputs):
-            keymap[id(outer)] = inner_map[id(inner_t)]
+            key = keymap[id(outer)] = inner_map[id(inner_t)]
+            if _has_mask(outer) and key.startswith("\0"):
+                # the nested model's compute_mask ran its graph with the masks of its inputs
+                self.masked.setdefault(key, get_keras_mask(outer))
 
     def finish(self, input_names: list[str]) -> list[Call]:
         """Names nodes, numbers calls, and rewrites provisional keys into final ones."""
@@ -464,14 +538,19 @@ class _Flattener:
             name = self.names[id(rc.op)]
             for i, k in enumerate(rc.output_keys):
                 self.final_keys[k] = f"{name}:{index[pos]}:{i}"
-        calls = []
-        for pos, rc in enumerate(self.raw):
-            calls.append(Call(
-                layer=rc.op, layer_name=self.names[id(rc.op)], call_index=index[pos],
-                input_keys=[self.final_keys.get(k, k) for k in rc.input_keys],
-                output_keys=[self.final_keys[k] for k in rc.output_keys],
-                arguments=rc.node.arguments))
+        calls = [Call(layer=rc.op, layer_name=self.names[id(rc.op)], call_index=index[pos],
+                      input_keys=[self.final_keys.get(k, k) for k in rc.input_keys],
+                      output_keys=[self.final_keys[k] for k in rc.output_keys],
+                      arguments=rc.node.arguments) for pos, rc in enumerate(self.raw)]
         return calls
+
+    def attach_masks(self, calls: list[Call], inputs: dict[str, Any]) -> None:
+        """Gives the calls their mask keys ([Note: masks], [Note: mask discovery] in
+        `masks.py`); ``inputs``: ``{input key: KerasTensor}``."""
+        final = self.final_keys
+        specs = {**inputs, **{final[k]: t for k, t in self.specs.items()}}
+        symbolic = {final[k]: m for k, m in self.masked.items()}
+        self.masks = attach_masks(calls, specs, symbolic)
 
     def _name_ops(self, input_names: list[str]) -> None:
         owners: dict[str, tuple[Any, str]] = {n: (None, "the model inputs") for n in input_names}
@@ -494,6 +573,10 @@ class _Flattener:
                     f"'{rc.owner}'). Give one of them another name= when creating it.")
             owners[name] = (rc.op, rc.owner)
             self.names[id(rc.op)] = name
+
+
+def _has_mask(t: Any) -> bool:
+    return get_keras_mask(t) is not None
 
 
 def _snake(name: str) -> str:
@@ -554,30 +637,39 @@ def _producer(t: Any) -> Any:
 
 # -- graph -------------------------------------------------------------------------------------
 
-def _assemble(model: keras.Model, top: _Top, calls: list[Call], flat: _Flattener,
-              input_keys: list[str], output_keys: list[str]) -> TracedModel:
+def _assemble(model: keras.Model, top: _Top, calls: list[Call], read: list[Reads],
+              flat: _Flattener, input_keys: list[str], output_keys: list[str]) -> TracedModel:
     fn = top.fn
     graph = LayerGraph(name=model.name)
     for t in fn.inputs:
         graph.add_input(_producer(t).name, tuple(t.shape)[1:], keras.backend.standardize_dtype(t.dtype))
     layers = {c.layer_name: c.layer for c in calls}
-    owned, uses = _variable_owners(calls, layers)
+    owned, uses = variable_owners(calls, read)
     trainable = {id(v) for v in model.trainable_weights}
     nodes = _layer_nodes(calls, flat, owned, trainable)
     for c, rc in zip(calls, flat.raw):
-        outs = [TensorInfo(k, c.layer_name, tuple(t.shape)[1:],
-                           keras.backend.standardize_dtype(t.dtype))
-                for k, t in zip(c.output_keys, rc.node.outputs)]
-        graph.add_layer(nodes[c.layer_name], c.input_keys, outs)
-    graph.set_outputs(output_keys)
-    graph.colocate, graph.ties = _shared(uses, nodes)
+        outs = [_info(k, c.layer_name, t) for k, t in zip(c.output_keys, rc.node.outputs)]
+        outs += [_info(mask_key(k), c.layer_name, flat.masks[k]) for k in c.output_keys
+                 if k in flat.masks]
+        graph.add_layer(nodes[c.layer_name], [*c.input_keys, *filter(None, c.input_mask_keys)],
+                        outs)
+    masks = {k: mask_key(k) for k in flat.masks}
+    output_masks = [masks.get(k) for k in output_keys]
+    graph.set_outputs([*output_keys, *filter(None, output_masks)])
+    graph.masks = masks
+    graph.colocate, graph.ties = shared(uses, nodes)
     order = {id(v): i for i, v in enumerate(model.variables)}
     return TracedModel(
         model=model, graph=graph, calls=calls, input_keys=input_keys, output_keys=output_keys,
         input_names=_input_names(fn), output_names=_output_names(fn, output_keys),
         input_specs=list(fn.inputs), inputs_struct=fn._inputs_struct,
         outputs_struct=fn._outputs_struct, unpack_singleton=top.unpack_singleton,
-        cast_all_inputs=top.cast_all_inputs, layers=layers, uses=uses, variable_order=order)
+        cast_all_inputs=top.cast_all_inputs, layers=layers, uses=uses, variable_order=order,
+        masks=dict(masks), output_mask_keys=output_masks)
+
+
+def _info(key: str, producer: str, t: Any) -> TensorInfo:
+    return TensorInfo(key, producer, tuple(t.shape)[1:], keras.backend.standardize_dtype(t.dtype))
 
 
 def _layer_nodes(calls: list[Call], flat: _Flattener, owned: dict[str, list[Any]],
@@ -598,100 +690,11 @@ def _layer_nodes(calls: list[Call], flat: _Flattener, owned: dict[str, list[Any]
                                   rc.node.outputs)
         node.flops_forward += fwd
         node.flops_backward += costs.backward_flops(c.layer, fwd)
-        node.activation_bytes += sum(
-            TensorInfo("", "", tuple(t.shape)[1:], keras.backend.standardize_dtype(t.dtype))
-            .bytes_per_sample for t in rc.node.outputs)
+        masks = [flat.masks[k] for k in c.output_keys if k in flat.masks]
+        node.activation_bytes += sum(_info("", "", t).bytes_per_sample
+                                     for t in [*rc.node.outputs, *masks])
         node.calls += 1
     return nodes
-
-
-def _variable_owners(calls: list[Call], layers: dict[str, Any]) -> tuple[dict[str, list[Any]],
-                                                                         dict[str, list[Any]]]:
-    """Which node owns each weight (its bytes count there) and which variables each node reads.
-
-    A layer owns its ``weights``; a variable a ``keras.ops`` call takes as an argument (weight
-    tying in a subclassed ``call``) is read by that node too, and owned by it if no layer owns it.
-    """
-    uses: dict[str, dict[int, Any]] = {name: {} for name in layers}
-    weights: dict[int, str] = {}
-    for name, op in layers.items():
-        if isinstance(op, keras.layers.Layer):
-            for v in op.variables:
-                uses[name].setdefault(id(v), v)
-            for v in op.weights:
-                weights.setdefault(id(v), name)
-    for c in calls:
-        for v in c.arguments._flat_arguments:
-            if isinstance(v, keras.Variable):
-                uses[c.layer_name].setdefault(id(v), v)
-                weights.setdefault(id(v), c.layer_name)
-    owned: dict[str, list[Any]] = {}
-    for name, vs in uses.items():
-        owned[name] = [v for i, v in vs.items() if weights.get(i) == name]
-    return owned, {name: list(vs.values()) for name, vs in uses.items()}
-
-
-def _split_tied_calls(calls: list[Call]) -> list[Call]:
-    """Gives each call of a multiply-called leaf whose variables are all trainable its own graph
-    node (see [Note: tied copies] in `ir.py`); the first call in execution order keeps the
-    layer's name. A leaf with a non-trainable variable (seed state, moving statistics) stays
-    one node: that state must advance in call order on one stage."""
-    by_layer: dict[str, list[Call]] = {}
-    for c in calls:
-        by_layer.setdefault(c.layer_name, []).append(c)
-    taken = set(by_layer)
-    for name, mine in by_layer.items():
-        if len(mine) < 2 or not all(v.trainable for v in _read_variables(mine)):
-            continue
-        for c in mine[1:]:
-            node = f"{name}@{c.call_index}"
-            while node in taken:
-                node += "_"
-            taken.add(node)
-            c.keras_name, c.layer_name = name, node
-    return calls
-
-
-def _read_variables(calls: list[Call]) -> list[Any]:
-    """Every variable the calls of one leaf read: the layer's own and any passed as arguments."""
-    op = calls[0].layer
-    found = list(op.variables) if isinstance(op, keras.layers.Layer) else []
-    for c in calls:
-        found.extend(v for v in c.arguments._flat_arguments if isinstance(v, keras.Variable))
-    return found
-
-
-def _shared(uses: dict[str, list[Any]], nodes: dict[str, LayerNode]
-            ) -> tuple[list[frozenset[str]], list[Tie]]:
-    """Nodes reading a common variable: co-located groups for non-trainable ones (they change in
-    call order), `Tie` copies for trainable ones, one per distinct set of readers."""
-    users: dict[int, list[str]] = {}
-    variables: dict[int, Any] = {}
-    for name, vs in uses.items():
-        for v in vs:
-            users.setdefault(id(v), []).append(name)
-            variables[id(v)] = v
-    groups: list[frozenset[str]] = []
-    tied: dict[tuple[str, ...], list[Any]] = {}
-    for i, names in users.items():
-        if len(set(names)) < 2:
-            continue
-        if variables[i].trainable:
-            tied.setdefault(tuple(dict.fromkeys(names)), []).append(variables[i])
-            continue
-        group = frozenset(names)
-        if group not in groups:
-            groups.append(group)
-    return groups, [_tie(names, vs, nodes) for names, vs in tied.items()]
-
-
-def _tie(names: tuple[str, ...], vs: list[Any], nodes: dict[str, LayerNode]) -> Tie:
-    owner = next((n for n in names if nodes[n].param_bytes and any(
-        str(v.path) in nodes[n].variables for v in vs)), names[0])
-    size, train, _ = costs.param_stats(vs, {id(v) for v in vs})
-    order = (owner, *(n for n in names if n != owner))
-    return Tie(nodes=order, variables=tuple(str(v.path) for v in vs), param_bytes=size,
-               trainable_param_bytes=train)
 
 
 def _input_names(fn: Any) -> list[str]:

@@ -10,8 +10,9 @@ Example::
     StagePlan.from_json(plan.to_json()) == plan
 
 [Note: boundary order] Boundaries are numbered by (producer stage, position of the tensor in the
-graph's topological layer order, output index). Every rank derives the same numbering from the
-same graph, so message tags built from boundary indices agree without communication.
+graph's topological layer order, tensor key; a mask ``"<key>#mask"`` right after its tensor).
+Every rank derives the same numbering from the same graph, so message tags built from boundary
+indices agree without communication.
 
 [Note: model inputs and outputs] Model inputs are not boundaries: every rank reads the batch.
 Model outputs are needed by the last stage (it computes the loss), so an output produced on an
@@ -241,7 +242,8 @@ class StagePlan:
 
 
 def _output_index(key: str) -> int:
-    return int(key.rsplit(":", 1)[1])
+    """The output index of ``"{layer}:{call}:{index}"``, also of its mask ``"…#mask"``."""
+    return int(key.split("#", 1)[0].rsplit(":", 1)[1])
 
 
 def _stage_cost(graph: LayerGraph, names: list[str], boundaries: list[Boundary], stage: int,

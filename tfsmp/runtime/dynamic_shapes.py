@@ -16,6 +16,13 @@ input shapes: the traced calls that lead to the dynamic boundaries are run on
 a BERT backbone; no weights are read), once per distinct input-shape signature. Nothing is
 computed for a model whose boundaries are all static.
 
+[Note: mask shapes] A Keras mask crossing stages is a boundary of its own ([Note: masks] in
+`tfsmp.graph.tracer`), and ``compute_output_spec`` says nothing about masks. A call that writes a
+mask is therefore run as Keras runs a layer without ``compute_output_shape``: on placeholders in
+a scratch graph (`tfsmp.graph.reads.scratch_graph`), through `Call.run`, which attaches the
+input masks and reads the output masks exactly as a stage does. That builds graph ops but runs
+nothing and allocates no weights (variables read as placeholders).
+
 Two checks keep a wrong shape from being silent: the sender compares each dynamic tensor it
 sends with the resolved shape (a layer whose ``compute_output_spec`` disagrees with its ``call``),
 and sends beside it a small header holding that shape, which the receiver compares with its own
@@ -32,6 +39,7 @@ from keras import tree
 
 from tfsmp.errors import StepError
 from tfsmp.graph.deferred import deferred_scope
+from tfsmp.graph.reads import placeholder, scratch_graph
 from tfsmp.partitioning.plan import Boundary, StagePlan
 
 __all__ = ["BoundaryShapes", "ShapeResolver", "is_dynamic"]
@@ -79,16 +87,28 @@ def _ancestor_calls(calls: list[Any], wanted: set[str]) -> list[Any]:
     """The calls (in execution order) that the tensors ``wanted`` depend on."""
     needed, kept = set(wanted), []
     for call in reversed(calls):
-        if needed.intersection(call.output_keys):
+        if needed.intersection(_writes(call)):
             kept.append(call)
-            needed.update(call.input_keys)
+            needed.update(call.input_keys, _masks(call.input_mask_keys))
     return kept[::-1]
 
 
+def _masks(keys: Iterable[str | None]) -> list[str]:
+    return [k for k in keys if k is not None]
+
+
+def _writes(call: Any) -> list[str]:
+    """The keys a call writes: its outputs and their masks ([Note: masks] in the tracer)."""
+    return [*call.output_keys, *_masks(call.output_mask_keys)]
+
+
 def _spec_call(call: Any, env: dict[str, Any], inputs: dict[str, Shape]) -> None:
-    values = {id(t): env[k] for t, k in zip(call.arguments.keras_tensors, call.input_keys)}
-    args, kwargs = call.arguments.fill_in(values)
     try:
+        if _masks(call.output_mask_keys):
+            env.update(_masked_spec(call, env))
+            return
+        values = {id(t): env[k] for t, k in zip(call.arguments.keras_tensors, call.input_keys)}
+        args, kwargs = call.arguments.fill_in(values)
         out = call.layer.compute_output_spec(*args, **kwargs)
     except Exception as e:
         raise StepError(
@@ -99,6 +119,17 @@ def _spec_call(call: Any, env: dict[str, Any], inputs: dict[str, Shape]) -> None
             f"compute_output_shape), or give the model's inputs fixed shapes.") from e
     for key, value in zip(call.output_keys, tree.flatten(out)):
         env[key] = value
+
+
+def _masked_spec(call: Any, env: dict[str, Any]) -> dict[str, Any]:
+    """The specs of a call's outputs and of their masks. [Note: mask shapes]"""
+    reads = [*call.input_keys, *(k for k in _masks(call.input_mask_keys) if k in env)]
+    writes = _writes(call)
+    with scratch_graph():
+        local = {k: placeholder(env[k]) for k in reads}
+        call.run(local)
+        return {k: keras.KerasTensor(tuple(local[k].shape), dtype=local[k].dtype.name)
+                for k in writes}
 
 
 class BoundaryShapes:
