@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from keras import tree
-from keras.src.backend import get_keras_mask, set_keras_mask
+from keras.src.backend import set_keras_mask
 
 from tfsmp.comm.horovod import HorovodReducer
 from tfsmp.errors import StepError
@@ -207,8 +207,10 @@ class Engine:
                     f"Pass x, y and sample_weight of the same length.")
 
     def _microbatches(self, x: Any, y: Any, sample_weight: Any, shape: StepShape, *,
-                      scale: float = 1.0, global_weights: Any = None) -> list[MicroBatch]:
-        """This replica's microbatches of a global batch, with their constants."""
+                      scale: float = 1.0, train: bool = True) -> list[MicroBatch]:
+        """This replica's microbatches of a global batch, with their constants (a training
+        step's carry the loss terms' too; inference's only the rows, `Consts.TERMS` long, so
+        one trace serves predict before and after training)."""
         packed = {k: tf.convert_to_tensor(v) for k, v in self.traced.pack_inputs(x).items()}
         self.check_inputs_packed(packed)  # the batch is converted once, then sliced
         mine = (packed, y, sample_weight)
@@ -219,10 +221,9 @@ class Engine:
         for size in mbatch.split_sizes(shape.my_rows, shape.microbatches):
             xi, yi, wi = mbatch.take_rows(mine, start, start + size)
             start += size
-            consts = (self.objective.constants(rows=shape.rows, rows_mb=size,
-                                               sample_weight=global_weights, scale=scale,
-                                               parts=shape.parts)
-                      if self.objective is not None and self.objective.prepared
+            consts = (self._objective().constants(rows=shape.rows, rows_mb=size,
+                                                  sample_weight=sample_weight, scale=scale,
+                                                  parts=shape.parts) if train
                       else np.array([shape.rows, size, scale, 1.0], np.float32))
             out.append(MicroBatch(xi, _to_tensors(yi), _to_tensors(wi), size=size,
                                   consts=tf.constant(consts)))
@@ -239,8 +240,7 @@ class Engine:
         one_call = self._one_call_step()
         scale = self._bridge.loss_scale() if self._bridge is not None else 1.0
         if one_call is not None:  # [Note: one-call step] in tfsmp/runtime/fused_step.py
-            mb = self._microbatches(x, y, sample_weight, shape, scale=scale,
-                                    global_weights=sample_weight)[0]
+            mb = self._microbatches(x, y, sample_weight, shape, scale=scale)[0]
             self.steps += 1
             result, applied = one_call.run(mb, step_number=self.steps,
                                            nonfinite=self.config.nonfinite, tracer=self._tracer)
@@ -250,7 +250,7 @@ class Engine:
         self.steps += 1
         if shape.microbatches == 0:  # this replica has no rows: it only takes part in the reductions
             return self._idle_step(shape)
-        mbs = self._microbatches(x, y, sample_weight, shape, scale=scale, global_weights=sample_weight)
+        mbs = self._microbatches(x, y, sample_weight, shape, scale=scale)
         ex = self._executor = self._executor_for(self._actions_for(shape.microbatches),
                                                  shape.microbatches)
         self._step_shape = shape
@@ -305,14 +305,15 @@ class Engine:
         shapes = self.output_shapes(tree.map_structure(tf.convert_to_tensor, x))
         rng = np.random.default_rng(0)
         outs = []
-        symbolic = tree.flatten(self.traced.outputs_struct)
-        for key, shp, kt in zip(self.traced.output_keys, shapes, symbolic):
-            dtype = tf.as_dtype(self.traced.graph.tensors[key].dtype)
+        tensors = self.traced.graph.tensors
+        for key, shp, mask_key in zip(self.traced.output_keys, shapes,
+                                      self.traced.output_mask_keys):
+            dtype = tf.as_dtype(tensors[key].dtype)
             value = tf.constant(rng.normal(size=[int(d or 1) for d in shp]).astype(np.float32))
             value = tf.cast(value if dtype.is_floating else tf.abs(value), dtype)
-            mask = get_keras_mask(kt)
-            if mask is not None:
-                dims = [shp[i] if d is None else d for i, d in enumerate(mask.shape)]
+            if mask_key is not None:  # a mask the stage will really produce (graph/masks.py)
+                dims = [shp[0], *(shp[i + 1] if d is None else d
+                                  for i, d in enumerate(tensors[mask_key].shape))]
                 set_keras_mask(value, tf.ones([int(d or 1) for d in dims], tf.bool))
             outs.append(value)
         return self.traced.pack_outputs(outs)
@@ -462,7 +463,7 @@ class Engine:
         shape = shape or self.step_shape(mbatch.batch_size_of(x))
         if shape.microbatches == 0:
             return shape, StepResult()
-        mbs = self._microbatches(x, None, None, shape)
+        mbs = self._microbatches(x, None, None, shape, train=False)
         m = len(mbs)
         result = self._executor_for(self._forward_actions(m), m).run(
             mbs, mode=StepMode(train=False))

@@ -396,6 +396,7 @@ class StageProgram:
         structure] in gradients.py): its slice count for a microbatch and for that microbatch
         repeated twice, measured once per stage in inference mode (no state changes)."""
         self._sparse_measured = True
+        consts = consts[:Consts.TERMS]  # inference's constants: evaluate's trace serves
         counts: dict[int, list[int]] = {i: [] for i in indices}
         for reps in (1, 2):
             ins = [tf.concat([t] * reps, 0) for t in inputs]
