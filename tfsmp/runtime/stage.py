@@ -394,15 +394,16 @@ class StageProgram:
                         indices: list[int]) -> dict[int, str]:
         """Whether each sparse gradient's slices follow the batch's rows or not ([Note: sparse
         structure] in gradients.py): its slice count for a microbatch and for that microbatch
-        repeated twice, measured once per stage in inference mode (no state changes)."""
+        repeated twice, measured once per stage, eagerly, in inference mode (no state
+        changes)."""
         self._sparse_measured = True
         consts = consts[:Consts.TERMS]  # inference's constants: evaluate's trace serves
         counts: dict[int, list[int]] = {i: [] for i in indices}
         for reps in (1, 2):
             ins = [tf.concat([t] * reps, 0) for t in inputs]
             rv = [tf.concat([t] * reps, 0) for t in recv]
-            with tf.GradientTape() as tape:
-                out = self._eval(ins, rv, False, consts)
+            with tf.GradientTape() as tape:  # eager: the compiled programs keep their traces
+                out = self._eval_fn(ins, rv, False, consts)
                 target = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
                                    for t in (*out[0], *out[1]) if t.dtype.is_floating]
                                   or [tf.zeros(())])
