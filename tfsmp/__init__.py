@@ -27,6 +27,7 @@ from tfsmp.errors import (
     TfsmpError,
     TraceError,
 )
+from tfsmp.lazy import LazyNames
 
 __version__ = "0.1.0"
 
@@ -59,21 +60,20 @@ __all__ = [
 ]
 
 
-_SUBMODULES = ("core", "config", "topology", "estimator", "utils")
+
+def _keras_names_first(module: str) -> None:
+    if module.startswith("tfsmp.keras"):  # SMP scripts' Keras 2 names (tfsmp/keras/porting.py)
+        importlib.import_module("tfsmp.keras.porting")
+
+
+# SMP scripts call smp.core.barrier(): those modules are attributes too.
+_NAMES = LazyNames(__name__, _LAZY, submodules=("core", "config", "topology", "estimator", "utils"),
+                   before=_keras_names_first)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:  # SMP scripts call smp.core.barrier()
-        return importlib.import_module(f"tfsmp.{name}")
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tfsmp' has no attribute '{name}'")
-    if module.startswith("tfsmp.keras"):  # SMP scripts' Keras 2 names (tfsmp/keras/porting.py)
-        importlib.import_module("tfsmp.keras.porting")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _NAMES.resolve(name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return _NAMES.listing()

@@ -26,7 +26,6 @@ differences from the SDK, each documented in docs/parameters.md:
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import numbers
@@ -36,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from tfsmp.errors import ConfigError
+from tfsmp.errors import ConfigError, closest, did_you_mean, short_repr
 
 __all__ = [
     "ALIASES",
@@ -132,12 +131,6 @@ class Param:
 # Value checkers: (key, value) -> normalized value, or ConfigError.
 
 
-def _r(value: Any) -> str:
-    """repr, cut short so junk input cannot flood a message."""
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -150,7 +143,7 @@ def _positive_int(key: str, value: Any) -> int:
     if _is_int(value) and value >= 1:
         return int(value)
     raise ConfigError(
-        f"The number of {key} must be a positive integer. Received: {key}={_r(value)}. "
+        f"The number of {key} must be a positive integer. Received: {key}={short_repr(value)}. "
         f"Pass an int >= 1 (e.g. {key}=2; not a string, float or bool).")
 
 
@@ -161,7 +154,7 @@ def _bool(key: str, value: Any) -> bool:
             if isinstance(value, str) else
             "pass True or False; tfsmp does not read 0/1 or other values as bools")
     raise ConfigError(
-        f"{key} must be a value in: [True, False]. Received: {key}={_r(value)}. Fix: {hint}.")
+        f"{key} must be a value in: [True, False]. Received: {key}={short_repr(value)}. Fix: {hint}.")
 
 
 _CHOICE_HINTS: dict[str, dict[str, str]] = {
@@ -187,15 +180,14 @@ def _choice_hint(key: str, value: Any, choices: tuple[str, ...]) -> str:
                 f"{value!r} orders ranks like {mapped!r}: use placement_strategy={mapped!r}.")
     if mapped:
         return f" {value!r} is what tfsmp calls {mapped!r}: use {key}={mapped!r}."
-    close = difflib.get_close_matches(value.lower(), choices, n=1)
-    return f" Did you mean {close[0]!r}?" if close else f" Pass one of {list(choices)}."
+    return did_you_mean(value.lower(), choices) or f" Pass one of {list(choices)}."
 
 
 def _choice(*choices: str) -> Checker:
     def check(key: str, value: Any) -> str:
         if isinstance(value, str) and value in choices:
             return value
-        raise ConfigError(f"{key} must be a value in: {list(choices)}. Received: {key}={_r(value)}."
+        raise ConfigError(f"{key} must be a value in: {list(choices)}. Received: {key}={short_repr(value)}."
                           + _choice_hint(key, value, choices))
     return check
 
@@ -210,20 +202,20 @@ def _index(key: str, value: Any) -> int:
     if _is_int(value) and value >= 0:
         return int(value)
     raise ConfigError(f"{key} must be a non-negative integer (a partition index) or None. "
-                      f"Received: {key}={_r(value)}. Pass e.g. {key}=0.")
+                      f"Received: {key}={short_repr(value)}. Pass e.g. {key}=0.")
 
 
 def _seed(key: str, value: Any) -> int:
     if _is_int(value) and 0 <= value < 2**63:
         return int(value)
-    raise ConfigError(f"{key} must be an integer in [0, 2**63) or None. Received: {key}={_r(value)}. "
+    raise ConfigError(f"{key} must be an integer in [0, 2**63) or None. Received: {key}={short_repr(value)}. "
                       f"Pass e.g. {key}=1234, or None for unseeded runs.")
 
 
 def _unit_interval(key: str, value: Any) -> float:
     if _is_real(value) and 0.0 <= value <= 1.0:
         return float(value)
-    raise ConfigError(f"{key} must be between 0.0 and 1.0! Received: {key}={_r(value)}. "
+    raise ConfigError(f"{key} must be between 0.0 and 1.0! Received: {key}={short_repr(value)}. "
                       f"Pass a number: 0.0 balances compute only, 1.0 memory only, "
                       f"or None for the default of the optimize setting.")
 
@@ -231,7 +223,7 @@ def _unit_interval(key: str, value: Any) -> float:
 def _seconds(key: str, value: Any) -> float:
     if _is_real(value) and math.isfinite(value) and value >= 0:
         return float(value)
-    raise ConfigError(f"{key} must be a finite number of seconds >= 0. Received: {key}={_r(value)}. "
+    raise ConfigError(f"{key} must be a finite number of seconds >= 0. Received: {key}={short_repr(value)}. "
                       f"Pass e.g. {key}=600, or 0 to disable the watchdog.")
 
 
@@ -239,7 +231,7 @@ def _path(key: str, value: Any) -> str:
     if isinstance(value, str) and value:
         return value
     start = f"'{key}' must be a str." if key == "partition_file" else f"{key} must be a str."
-    raise ConfigError(f"{start} Received: {key}={_r(value)}. Pass a non-empty path, or None.")
+    raise ConfigError(f"{start} Received: {key}={short_repr(value)}. Pass a non-empty path, or None.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,13 +392,13 @@ def _check_foreign_keys(params: Mapping[Any, Any]) -> None:
         if key in _WRAPPER_KEYS:
             raise ConfigError(
                 f"'{key}' belongs to the estimator's modelparallel dict, not to its parameters. "
-                f"Received: {key}={_r(value)}. Pass only the inner dict: "
+                f"Received: {key}={short_repr(value)}. Pass only the inner dict: "
                 "smp_options['parameters'].")
         row = _pytorch_key(key) if isinstance(key, str) else None
         if row is not None:
             raise ConfigError(
                 f"'{key}' is a PyTorch-only SMP parameter; TensorFlow SMP and tfsmp do not take "
-                f"it. Received: {key}={_r(value)}. TensorFlow equivalent: {PYTORCH_ONLY[row]}.")
+                f"it. Received: {key}={short_repr(value)}. TensorFlow equivalent: {PYTORCH_ONLY[row]}.")
 
 
 def _valid_keys() -> list[str]:
@@ -420,8 +412,8 @@ def _check_unknown_keys(params: Mapping[Any, Any]) -> None:
         return
     parts, guessed = [], 0
     for key in unknown:
-        close = difflib.get_close_matches(str(key).lower(), valid, n=1)
-        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        close = closest(str(key).lower(), valid)
+        parts.append(f"{key!r}" + (f" (did you mean {close!r}?)" if close else ""))
         guessed += bool(close)
     noun = "parameter" if len(unknown) == 1 else "parameters"
     if guessed == len(unknown):  # a typo: the guess is the fix, the whole list would bury it
@@ -441,7 +433,7 @@ def _resolve_alias(params: Mapping[Any, Any]) -> dict[Any, Any]:
         if name in out and out[name] != value:
             raise ConfigError(
                 f"{name} and {alias} name the same parameter and must agree. Received: "
-                f"{name}={_r(out[name])}, {alias}={value}. Keep only one of them.")
+                f"{name}={short_repr(out[name])}, {alias}={value}. Keep only one of them.")
         out.setdefault(name, value)
     return out
 
@@ -461,7 +453,7 @@ def _pop_compat(params: dict[Any, Any]) -> None:
     if not load and file is not None:
         raise ConfigError(
             "load_partition=False contradicts partition_file: tfsmp loads partition_file whenever "
-            f"it is set. Received: load_partition=False, partition_file={_r(file)}. Remove "
+            f"it is set. Received: load_partition=False, partition_file={short_repr(file)}. Remove "
             "load_partition (or set it True), or remove partition_file to partition automatically.")
 
 
@@ -482,7 +474,7 @@ def validate(params: Mapping[str, Any], world_size: int | None = None) -> Config
     if not isinstance(params, Mapping):
         raise ConfigError(
             "parameters must be a dict. Received: parameters="
-            f"{_r(params)}. Pass e.g. {{'partitions': 2, 'microbatches': 4}}.")
+            f"{short_repr(params)}. Pass e.g. {{'partitions': 2, 'microbatches': 4}}.")
     _check_foreign_keys(params)
     _check_unknown_keys(params)
     values = _resolve_alias(params)
@@ -505,7 +497,7 @@ def check_world_size(config: Config, world_size: int) -> None:
         ConfigError: world_size is not a positive multiple of `config.partitions`.
     """
     if not _is_int(world_size) or world_size < 1:
-        raise ConfigError(f"world size must be a positive integer. Received: world_size={_r(world_size)}.")
+        raise ConfigError(f"world size must be a positive integer. Received: world_size={short_repr(world_size)}.")
     p = config.partitions
     if world_size % p == 0:
         return
@@ -526,10 +518,10 @@ def _parse_json_text(text: str, what: str) -> dict[str, Any]:
         parsed = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"Cannot parse {what} as JSON: {e.msg} at line {e.lineno} column "
-                          f"{e.colno}. Received: {_r(text)}. Write a JSON object, e.g. "
+                          f"{e.colno}. Received: {short_repr(text)}. Write a JSON object, e.g. "
                           '{"partitions": 2}.') from None
     if not isinstance(parsed, dict):
-        raise ConfigError(f"{what} must hold a JSON object of parameters. Received: {_r(text)}. "
+        raise ConfigError(f"{what} must hold a JSON object of parameters. Received: {short_repr(text)}. "
                           'Write e.g. {"partitions": 2}.')
     return parsed
 

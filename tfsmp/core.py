@@ -400,7 +400,7 @@ def _user_group(group: CommGroup) -> Group:
             CommGroup.DP_GROUP: comm.user_data}[group]
 
 
-def _to_world(peer: int, rank_type: RankType) -> int:
+def to_world_rank(peer: int, rank_type: RankType) -> int:
     """Reads `peer` as `rank_type` (relative to my groups) and returns the world rank."""
     s = state()
     if not isinstance(rank_type, RankType):
@@ -428,7 +428,7 @@ def send(obj: Any, dest_rank: int, rank_type: RankType = RankType.WORLD_RANK) ->
     Raises:
         CommError: The rank is out of range or is this process.
     """
-    dest = _to_world(dest_rank, rank_type)
+    dest = to_world_rank(dest_rank, rank_type)
     if dest == rank():
         raise CommError(f"a rank cannot send to itself. Received: dest_rank={dest_rank}, "
                         f"rank_type={rank_type.name} (world rank {dest}).")
@@ -437,7 +437,7 @@ def send(obj: Any, dest_rank: int, rank_type: RankType = RankType.WORLD_RANK) ->
 
 def recv_from(src_rank: int, rank_type: RankType = RankType.WORLD_RANK) -> Any:
     """Receives the next object that `src_rank` sent to me with `send` or `broadcast`."""
-    src = _to_world(src_rank, rank_type)
+    src = to_world_rank(src_rank, rank_type)
     if src == rank():
         raise CommError(f"a rank cannot receive from itself. Received: src_rank={src_rank}, "
                         f"rank_type={rank_type.name} (world rank {src}).")

@@ -61,7 +61,7 @@ def _pieces(root: str, relpath: str, size: int) -> Iterator[bytes]:
 
 
 def _peer(rank: int, rank_type: RankType, what: str) -> int:
-    peer = core._to_world(rank, rank_type)
+    peer = core.to_world_rank(rank, rank_type)
     if peer == core.rank():
         raise CommError(f"Files go to another rank. Received: {what}={rank} "
                         f"({rank_type.name}), which is this process (world rank {peer}).")

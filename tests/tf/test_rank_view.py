@@ -96,13 +96,15 @@ def test_the_view_is_read_only(partitioned: object) -> None:
         view.stages[0].trainable["x"] = None
 
 
-def test_checkpoint_layout_reads_the_view(partitioned: object) -> None:
-    from tfsmp.checkpoint.layout import Layout
+def test_checkpoints_read_the_view(partitioned: object) -> None:
+    """The checkpoint's layout is the model's RankView itself, not a copy of it."""
+    from tfsmp.checkpoint import store
 
     view = partitioned.rank_view  # type: ignore[attr-defined]
-    layout = Layout.of(partitioned)
-    assert layout.held == list(view.held) and layout.writes == list(view.writes)
-    assert layout.stage == dict(view.key_stage) and layout.keys == dict(view.keys)
+    layout, slots, globals_, _ = store._tables(partitioned, None, {})
+    assert layout is view and not slots and not globals_
+    assert layout.held == view.held and layout.writes == view.writes
+    assert dict(layout.key_stage) == dict(view.key_stage) and dict(layout.keys) == dict(view.keys)
 
 
 def test_summary_and_plan_come_from_the_view(partitioned: object) -> None:

@@ -10,8 +10,9 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from tfsmp.lazy import LazyNames
 
 _LAZY: dict[str, str] = {
     "CheckpointManager": "tfsmp.checkpoint.manager",
@@ -22,14 +23,12 @@ _LAZY: dict[str, str] = {
 __all__ = sorted(_LAZY)
 
 
+_NAMES = LazyNames(__name__, _LAZY)
+
+
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tfsmp.checkpoint' has no attribute '{name}'")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _NAMES.resolve(name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return _NAMES.listing()

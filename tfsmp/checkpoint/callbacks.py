@@ -9,8 +9,8 @@ Example::
 Keras's own ``keras.callbacks.BackupAndRestore`` saves weights only; this one saves the whole
 training state through `CheckpointManager` (weights, optimizer slots and iterations, random
 generator state) plus the training position, and restores it under any partitioning. The epoch
-to resume from is handed to ``fit`` as Keras does (``model._initial_epoch``), the step within
-that epoch as ``model._initial_step``.
+to resume from and the step within it are handed to ``fit`` through
+``DistributedModel.resume_at`` (Keras's own callback sets ``model._initial_epoch``).
 """
 
 from __future__ import annotations
@@ -61,15 +61,14 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         manager = self._get_manager()
         latest = manager.latest_checkpoint
-        world = self.model._runtime_state().comm.world
+        world = self.model.runtime_state().comm.world
         if world.bcast_obj(latest, root=0) is None:
             return
         position = dict(fmt.read_manifest(latest).get("position") or {})
         manager.restore_path(latest)
         epoch, step = int(position.get("epoch", 0)), int(position.get("step", 0))
         self.restored_position = {"epoch": epoch, "step": step}
-        self.model._initial_epoch = epoch
-        self.model._initial_step = step
+        self.model.resume_at(epoch, step)
         self._epoch = epoch
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
@@ -88,7 +87,7 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if not self.delete_checkpoint:
             return
-        world = self.model._runtime_state().comm.world
+        world = self.model.runtime_state().comm.world
         world.barrier()
         if world.rank == 0:
             shutil.rmtree(self.backup_dir, ignore_errors=True)

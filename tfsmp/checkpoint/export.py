@@ -89,19 +89,13 @@ def remember_inputs(dm: Any, sample_x: Any) -> None:
 
 # -- who holds what ------------------------------------------------------------------------------
 
-def _state(dm: Any) -> Any:
-    if dm._state is None:
-        dm._state = dm._runtime_state()
-    return dm._state
-
-
 def _skip(dm: Any) -> tuple[Any, ...]:
     """What a weights file of the model leaves out: the (partitioned) optimizer."""
     return (getattr(dm, "optimizer", None),)
 
 
 def _layout(dm: Any) -> H5Layout:
-    return keras_h5.record_layout(dm._source_model(), skip=_skip(dm))
+    return keras_h5.record_layout(dm.source_model(), skip=_skip(dm))
 
 
 def _owners(dm: Any, layout: H5Layout) -> dict[int, int]:
@@ -123,7 +117,7 @@ def _value(entry: Entry) -> np.ndarray:
 
 
 def _send_mine(dm: Any, layout: H5Layout, owners: dict[int, int]) -> None:
-    world = _state(dm).comm.world
+    world = dm.runtime_state().comm.world
     mine: dict[int, np.ndarray] | str
     try:
         mine = {i: _value(layout.entries[i]) for i, r in owners.items() if r == world.rank}
@@ -136,7 +130,7 @@ def _write_all(dm: Any, layout: H5Layout, owners: dict[int, int], path: str) -> 
     """World rank 0: writes every entry, receiving the other ranks' arrays one rank at a time.
 
     Always receives from every sender (they block until it does); returns the problems."""
-    world = _state(dm).comm.world
+    world = dm.runtime_state().comm.world
     errors: list[str] = []
 
     def put(writer: Any, e: Entry, fetch: Callable[[], Any]) -> None:
@@ -170,7 +164,7 @@ def _collective_write(dm: Any, target: str, overwrite: bool,
                       finish: Callable[[str, str], None]) -> None:
     """Every rank: gathers the weights to world rank 0, which writes a temporary weights file
     and calls ``finish(weights_file, output_path)``; errors are raised on every rank."""
-    world = _state(dm).comm.world
+    world = dm.runtime_state().comm.world
     if dm.rank_view is None and has_pending(dm, weights_only=True):
         raise CheckpointError(
             f"A model with a pending load_weights/restore can be saved once it is partitioned. "
@@ -278,7 +272,7 @@ def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
             f"(legacy HDF5 model) or `.weights.h5` (weights only). Received: filepath={path}. "
             f"For a TensorFlow SavedModel call model.save_model(directory); to resume training "
             f"use tfsmp.CheckpointManager.")
-    source = dm._source_model()
+    source = dm.source_model()
 
     def finish(weights: str, out: str) -> None:
         keras_h5.write_keras_archive(out, source, weights)
@@ -428,7 +422,7 @@ def _load_now(dm: Any, path: str, skip_mismatch: bool, exclude: frozenset[int] =
               ) -> frozenset[int]:
     """Reads and assigns the held variables (a collective call); returns the ids it handled
     (assigned, or skipped with ``skip_mismatch``)."""
-    world = _state(dm).comm.world
+    world = dm.runtime_state().comm.world
     layout = _layout(dm)
     entries = _held_entries(dm, layout, exclude)
     errors: list[str] = []
@@ -472,7 +466,7 @@ def _standalone_copy(dm: Any, weights_file: str) -> keras.Model:
     from keras.src.models.functional import Functional
     from keras.src.saving import saving_lib
 
-    source = dm._source_model()
+    source = dm.source_model()
     if isinstance(source, (Functional, keras.Sequential)):
         keras_file = os.path.join(os.path.dirname(weights_file), "model.keras")
         keras_h5.write_keras_archive(keras_file, source, weights_file)
@@ -515,7 +509,7 @@ def save_model(dm: Any, save_path: str = "/opt/ml/model") -> None:
     from tfsmp.checkpoint.layout import resolve_sagemaker_path
 
     save_path = resolve_sagemaker_path(os.fspath(save_path))
-    st = _state(dm)
+    st = dm.runtime_state()
     world = st.comm.world
     tmpdir = tempfile.mkdtemp(prefix=".tfsmp-export-") if world.rank == 0 else ""
     weights_file = os.path.join(tmpdir, "model.weights.h5")

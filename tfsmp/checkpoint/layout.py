@@ -2,16 +2,16 @@
 
 Example::
 
-    layout = Layout.of(dm)                       # after partitioning
-    layout.keys[id(v)]                           # "d0/kernel": layer name / weight name
-    layout.held                                  # keys this rank's stages hold
-    layout.writes                                # keys this rank writes (one writer per key)
-    slots, globals_ = optimizer_state(dm.optimizer, layout)
+    view = dm.rank_view                          # after partitioning (a RankView)
+    view.keys[id(v)]                             # "d0/kernel": layer name / weight name
+    view.held                                    # keys this rank's stages hold
+    view.writes                                  # keys this rank writes (one writer per key)
+    slots, globals_ = optimizer_state(dm.optimizer, view)
     slots[("d0/kernel", "momentum")]             # Adam's first moment of d0/kernel
 
 Keys are the runtime's: [Note: variable keys] in tfsmp/runtime/checkpoint_keys.py; which rank
 holds and writes each comes from the model's `RankView` ([Note: one writer per key] in
-tfsmp/runtime/view.py).
+tfsmp/runtime/view.py), which is the checkpoint's layout: nothing here copies it.
 
 [Note: slot keys] Keras 3 names an optimizer slot ``<model variable path with / -> _>_<slot>``
 (``add_variable_from_reference``), e.g. ``d0_kernel_momentum``. A slot is keyed by
@@ -21,40 +21,17 @@ optimizer's iteration count and learning rate are global (the same on every rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 
 from tfsmp.errors import CheckpointError
 from tfsmp.runtime.checkpoint_keys import variable_keys
 
-__all__ = ["Layout", "optimizer_state", "variable_keys"]
+if TYPE_CHECKING:
+    from tfsmp.runtime.view import RankView
 
-
-@dataclass
-class Layout:
-    """Every checkpointed model variable of a partitioned model, with its key and stage."""
-
-    keys: dict[int, str]                    # id(variable) -> key
-    variables: dict[str, Any]               # key -> variable (held or not)
-    stage: dict[str, int]                   # key -> stage
-    held: list[str] = field(default_factory=list)    # keys this rank holds (its stages)
-    writes: list[str] = field(default_factory=list)  # keys this rank writes
-
-    @classmethod
-    def of(cls, dm: Any) -> Layout:
-        """The layout of a partitioned `DistributedModel` (its `rank_view` must exist)."""
-        view = dm.rank_view
-        if view is None:
-            raise CheckpointError(
-                "A checkpoint layout needs the partitioned model. Received: a DistributedModel "
-                "that has not run a step yet. Fix: call model.partition(x) or run a step first.")
-        return cls(dict(view.keys), dict(view.variables), dict(view.key_stage),
-                   list(view.held), list(view.writes))
-
-    def held_variables(self) -> dict[str, Any]:
-        return {k: self.variables[k] for k in self.held}
+__all__ = ["optimizer_state", "variable_keys"]
 
 
 def _global_ids(optimizer: Any) -> set[int]:
@@ -65,7 +42,7 @@ def _global_ids(optimizer: Any) -> set[int]:
     return ids
 
 
-def optimizer_state(optimizer: Any, layout: Layout
+def optimizer_state(optimizer: Any, layout: RankView
                     ) -> tuple[dict[tuple[str, str], Any], dict[str, Any]]:
     """This rank's optimizer variables: ``{(model key, slot): var}`` and ``{name: var}`` globals.
 

@@ -140,7 +140,7 @@ class CheckpointManager:
             The checkpoint's path (on every rank).
         """
         dm = self._model
-        st = dm._state if dm._state is not None else dm._runtime_state()
+        st = dm.runtime_state()
         number = checkpoint_number
         if number is None:
             number = st.comm.world.bcast_obj(self._next_number(), root=0)
@@ -192,7 +192,7 @@ class CheckpointManager:
         if dm.rank_view is not None:
             return store.restore_state(dm, path, optimizer=self._optimizer, extras=self._extras)
         manifest, done = store.restore_unpartitioned(dm, path, extras=self._extras)
-        weights = dm._source_model().weights  # none yet: a subclass is built at partitioning
+        weights = dm.source_model().weights  # none yet: a subclass is built at partitioning
         rest_of_model = not weights or any(id(v) not in done for v in weights)
         if self._optimizer is not None or rest_of_model:
             optimizer = self._optimizer

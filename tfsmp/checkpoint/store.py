@@ -31,7 +31,7 @@ import keras
 import numpy as np
 
 from tfsmp.checkpoint import format as fmt
-from tfsmp.checkpoint.layout import Layout, optimizer_state
+from tfsmp.checkpoint.layout import optimizer_state
 from tfsmp.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -118,8 +118,8 @@ def _keras_seed_state() -> Any:
 # -- save ---------------------------------------------------------------------------------------
 
 def _tables(dm: Any, optimizer: Any, extras: dict[str, Any]
-            ) -> tuple[Layout, dict[tuple[str, str], Any], dict[str, Any], dict[str, Any]]:
-    layout = Layout.of(dm)
+            ) -> tuple[RankView, dict[tuple[str, str], Any], dict[str, Any], dict[str, Any]]:
+    layout = _require_view(dm, "Saving a checkpoint")
     slots: dict[tuple[str, str], Any] = {}
     globals_: dict[str, Any] = {}
     if optimizer is not None and optimizer.built:
@@ -127,7 +127,7 @@ def _tables(dm: Any, optimizer: Any, extras: dict[str, Any]
     return layout, slots, globals_, extras
 
 
-def _write_mine(tmp: str, layout: Layout, slots: dict[tuple[str, str], Any],
+def _write_mine(tmp: str, layout: RankView, slots: dict[tuple[str, str], Any],
                 globals_: dict[str, Any], extras: dict[str, Any], rank: int, globals_rank: int
                 ) -> dict[str, dict[str, Any]]:
     """Writes this rank's arrays; returns their manifest entries by section (with the writer).
@@ -167,16 +167,16 @@ def _write_mine(tmp: str, layout: Layout, slots: dict[tuple[str, str], Any],
 def _model_info(dm: Any) -> dict[str, Any]:
     from tfsmp.checkpoint.keras_h5 import model_config
 
-    source = dm._source_model()
+    source = dm.source_model()
     config, reason = model_config(source)
     return {"name": source.name, "class": type(source).__name__, "config": config,
             "config_unavailable": reason}
 
 
 def _manifest(dm: Any, name: str, parts: list[dict[str, dict[str, Any]]], optimizer: Any,
-              steps: list[int | None], position: dict[str, Any] | None, layout: Layout
+              steps: list[int | None], position: dict[str, Any] | None, layout: RankView
               ) -> dict[str, Any]:
-    view, st = dm.rank_view, dm._state
+    view, st = dm.rank_view, dm.runtime_state()
     merged: dict[str, dict[str, Any]] = {}
     for part in parts:
         for section, entries in part.items():
@@ -188,7 +188,7 @@ def _manifest(dm: Any, name: str, parts: list[dict[str, dict[str, Any]]], optimi
         "config": st.config.to_dict(), "plan": json.loads(view.plan.to_json()),
         "topology": {"world_size": st.topology.world_size, "partitions": st.topology.partitions,
                      "placement": st.topology.placement, "dp_size": view.data_size},
-        "stages": {k: layout.stage[k] for k in layout.variables},
+        "stages": {k: layout.key_stage[k] for k in layout.variables},
         "model": _model_info(dm),
         "optimizer_info": None if optimizer is None else {
             "class": type(optimizer).__name__, "built": step is not None},
@@ -286,7 +286,7 @@ def save_state(dm: Any, root: str, name: str, *, optimizer: Any = None,
 
 def _finish(dm: Any, root: str, name: str, tmp: str, parts: list[Any], failed: list[str],
             optimizer_steps: tuple[Any, list[int | None]], position: dict[str, Any] | None,
-            max_to_keep: int | None, prefix: str, layout: Layout) -> str:
+            max_to_keep: int | None, prefix: str, layout: RankView) -> str:
     import shutil
 
     if failed:
@@ -360,7 +360,7 @@ def _plan_reads(manifest: dict[str, Any], path: str, wanted: list[tuple[str, dic
     return reads
 
 
-def _wanted(manifest: dict[str, Any], layout: Layout, slots: dict[tuple[str, str], Any],
+def _wanted(manifest: dict[str, Any], layout: RankView, slots: dict[tuple[str, str], Any],
             globals_: dict[str, Any], extras: dict[str, Any], skip: frozenset[int] = frozenset(),
             rng: bool = True) -> list[tuple[str, dict[str, Any], str]]:
     held = {k: v for k, v in layout.held_variables().items() if id(v) not in skip}
@@ -376,7 +376,7 @@ def _wanted(manifest: dict[str, Any], layout: Layout, slots: dict[tuple[str, str
     return wanted
 
 
-def _unexpected(manifest: dict[str, Any], layout: Layout, path: str) -> list[str]:
+def _unexpected(manifest: dict[str, Any], layout: RankView, path: str) -> list[str]:
     extra = sorted(set(manifest["variables"]) - set(layout.variables))
     if not extra:
         return []
@@ -403,17 +403,16 @@ def restore_state(dm: Any, path: str, *, optimizer: Any = None,
     view = _require_view(dm, "Restoring a checkpoint")
     world = view.groups.world
     manifest = _read_manifest_everywhere(world, path)
-    layout = Layout.of(dm)
     errors: list[str] = []
     slots: dict[tuple[str, str], Any] = {}
     globals_: dict[str, Any] = {}
     if optimizer is not None:
         if not optimizer.built:  # slots must exist to receive their values
             optimizer.build(view.trainable_variables)
-        slots, globals_ = _try(errors, lambda: optimizer_state(optimizer, layout)) or ({}, {})
+        slots, globals_ = _try(errors, lambda: optimizer_state(optimizer, view)) or ({}, {})
     if world.rank == 0:
-        errors += _unexpected(manifest, layout, path)
-    reads = _plan_reads(manifest, path, _wanted(manifest, layout, slots, globals_,
+        errors += _unexpected(manifest, view, path)
+    reads = _plan_reads(manifest, path, _wanted(manifest, view, slots, globals_,
                                                 dict(extras or {}), skip, rng), errors)
     _assign_all(world, path, reads, errors)
     state = manifest.get("rng_state")
@@ -460,11 +459,11 @@ def restore_unpartitioned(dm: Any, path: str, *, extras: dict[str, Any] | None =
     from tfsmp.checkpoint.layout import variable_keys
     from tfsmp.graph.deferred import is_deferred
 
-    world = (dm._state if dm._state is not None else dm._runtime_state()).comm.world
+    world = dm.runtime_state().comm.world
     manifest = _read_manifest_everywhere(world, path)
     errors: list[str] = []
     model_vars: dict[str, Any] = {}
-    traced = _trace_built(dm._source_model())
+    traced = _trace_built(dm.source_model())
     if traced is not None:
         keys = variable_keys(traced)
         model_vars = {keys[id(v)]: v for v in traced.variables_of(set(traced.uses))

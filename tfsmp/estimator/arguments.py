@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import datetime
-import difflib
 import os
 import re
 import tempfile
 import warnings
 from typing import Any
 
-from tfsmp.errors import ConfigError
-from tfsmp.estimator.inputs import _existing, _local_path
+from tfsmp.errors import ConfigError, did_you_mean
+from tfsmp.estimator.inputs import existing_path, local_path
 
 __all__ = ["check_kwargs"]
 
@@ -57,13 +56,12 @@ def check_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{key} cannot run on this machine: it {_REJECTED[key]}. "
                               f"Received: {key}={value!r}.")
         elif key not in _IGNORED:
-            close = difflib.get_close_matches(key, [*_IGNORED, *_REJECTED, *_RENAMED], n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(key, [*_IGNORED, *_REJECTED, *_RENAMED])
             raise TypeError(f"Estimator got an unexpected keyword argument {key!r}.{hint}")
     return out
 
 
-def _job_name(base: str, job_name: str | None) -> str:
+def resolve_job_name(base: str, job_name: str | None) -> str:
     if job_name is None:
         now = datetime.datetime.now()
         stamp = now.strftime("%Y-%m-%d-%H-%M-%S-") + f"{now.microsecond // 1000:03d}"
@@ -75,22 +73,22 @@ def _job_name(base: str, job_name: str | None) -> str:
     return job_name
 
 
-def _instance_count(value: Any) -> int:
+def checked_instance_count(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"instance_count must be a positive integer. Received: "
                           f"instance_count={value!r}. Pass e.g. instance_count=1.")
     return value
 
 
-def _entry_point(entry_point: Any, source_dir: Any) -> tuple[str, str | None]:
+def resolve_entry_point(entry_point: Any, source_dir: Any) -> tuple[str, str | None]:
     """(entry point, source dir): relative to the source dir if given, else an absolute path."""
     if entry_point is None:
         raise ConfigError("entry_point must name the training script: a local job cannot run an "
                           "image's own entry point. Received: entry_point=None.")
     entry = os.fspath(entry_point)
     if source_dir is None:
-        return str(_existing(entry, "entry_point")), None
-    src = _existing(source_dir, "source_dir")
+        return str(existing_path(entry, "entry_point")), None
+    src = existing_path(source_dir, "source_dir")
     if not src.is_dir():
         raise ConfigError(f"source_dir must be a local directory. Received: source_dir={source_dir!r}.")
     if not (src / entry).is_file():
@@ -98,7 +96,7 @@ def _entry_point(entry_point: Any, source_dir: Any) -> tuple[str, str | None]:
     return entry, str(src)
 
 
-def _output_root(output_path: str | None) -> str:
+def output_root(output_path: str | None) -> str:
     if output_path is None:
         return os.path.join(tempfile.gettempdir(), "tfsmp-jobs")
-    return str(_local_path(output_path, "output_path"))
+    return str(local_path(output_path, "output_path"))

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tfsmp.estimator.inputs import _local_path
+from tfsmp.estimator.inputs import local_path
 from tfsmp.launch import sagemaker as sm
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def job_environment(est: Estimator, paths: sm.JobPaths, hosts: list[str], hps: d
 def checkpoint_dir(est: Estimator, paths: sm.JobPaths) -> str:
     """Where the job's checkpoints go (`TFSMP_CHECKPOINT_DIR`), from checkpoint_s3_uri/local_path."""
     if est.checkpoint_s3_uri is not None:  # a local "S3" location: use it in place
-        return str(_local_path(est.checkpoint_s3_uri, "checkpoint_s3_uri"))
+        return str(local_path(est.checkpoint_s3_uri, "checkpoint_s3_uri"))
     path = est.checkpoint_local_path
     if path is None or path.rstrip("/") == "/opt/ml/checkpoints":
         return paths.checkpoints

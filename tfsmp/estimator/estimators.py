@@ -12,12 +12,12 @@ from typing import Any
 
 from tfsmp.errors import ConfigError
 from tfsmp.estimator.arguments import (
-    _entry_point,
-    _instance_count,
-    _output_root,
     check_kwargs,
+    checked_instance_count,
+    output_root,
+    resolve_entry_point,
 )
-from tfsmp.estimator.inputs import _existing, _local_path
+from tfsmp.estimator.inputs import existing_path, local_path
 from tfsmp.estimator.job import LocalTrainingJob
 from tfsmp.estimator.layout import materialize
 from tfsmp.estimator.plan import plan_job
@@ -56,7 +56,7 @@ class Estimator:
         est.fit("file:///data/train")
     """
 
-    _default_base_name = "training-job"
+    default_base_name = "training-job"
 
     def __init__(self, image_uri: str | None = None, role: str | None = None,
                  instance_count: int | None = None, instance_type: str | None = None, *,
@@ -79,22 +79,22 @@ class Estimator:
         distribution = kwargs.pop("distribution", distribution)
         max_run = kwargs.pop("max_run", max_run)
         self.image_uri, self.role, self.sagemaker_session = image_uri, role, sagemaker_session
-        self.instance_count = _instance_count(instance_count)
+        self.instance_count = checked_instance_count(instance_count)
         self.instance_type = instance_type
         self.resources = sm.instance_resources(instance_type, local_gpus=_local_gpus(),
                                                local_cpus=os.cpu_count() or 1)
-        self.entry_point, self.source_dir = _entry_point(entry_point, source_dir)
-        self.dependencies = [_existing(d, "dependencies") for d in dependencies or ()]
+        self.entry_point, self.source_dir = resolve_entry_point(entry_point, source_dir)
+        self.dependencies = [existing_path(d, "dependencies") for d in dependencies or ()]
         self._hyperparameters = dict(hyperparameters or {})
         self.distribution = sm.resolve_distribution(distribution, instance_count=self.instance_count,
                                                     resources=self.resources)
         for text in self.distribution.warnings:
             warnings.warn(text, UserWarning, stacklevel=2)
         self.base_job_name = base_job_name
-        self.output_path = _output_root(output_path)
+        self.output_path = output_root(output_path)
         self.checkpoint_local_path = checkpoint_local_path
         if checkpoint_s3_uri is not None:
-            _local_path(checkpoint_s3_uri, "checkpoint_s3_uri")  # s3:// is refused
+            local_path(checkpoint_s3_uri, "checkpoint_s3_uri")  # s3:// is refused
         self.checkpoint_s3_uri = checkpoint_s3_uri
         self.environment = {str(k): str(v) for k, v in (environment or {}).items()}
         self.max_run = float(max_run)
@@ -116,7 +116,7 @@ class Estimator:
         hps.update(sm.distribution_hyperparameters(self.distribution, self.instance_type))
         return hps
 
-    def _framework_hyperparameters(self, paths: sm.JobPaths) -> dict[str, Any]:
+    def framework_hyperparameters(self, paths: sm.JobPaths) -> dict[str, Any]:
         """The hyperparameters the framework adds to every job (`plan_job` asks for them)."""
         return {}
 
@@ -202,7 +202,7 @@ class TensorFlow(Estimator):
         est.fit({"training": "data/"})
     """
 
-    _default_base_name = "tensorflow-training"
+    default_base_name = "tensorflow-training"
 
     def __init__(self, py_version: str | None = None, framework_version: str | None = None,
                  model_dir: str | bool | None = None, image_uri: str | None = None,
@@ -218,12 +218,12 @@ class TensorFlow(Estimator):
         self.framework_version = framework_version or have_tf
         self.py_version = py_version or have_py
         if model_dir is not None and model_dir is not False:
-            _local_path(model_dir, "model_dir")  # s3:// is refused
+            local_path(model_dir, "model_dir")  # s3:// is refused
         self.model_dir = model_dir
         if image_uri is None:
             _warn_versions(framework_version, py_version, have_tf, have_py)
 
-    def _framework_hyperparameters(self, paths: sm.JobPaths) -> dict[str, Any]:
+    def framework_hyperparameters(self, paths: sm.JobPaths) -> dict[str, Any]:
         # The SDK passes model_dir=/opt/ml/model for MPI jobs; here /opt/ml is the job directory.
         if self.model_dir is False:
             return {}

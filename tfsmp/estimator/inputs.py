@@ -15,7 +15,7 @@ __all__ = ["resolve_channels"]
 _CHANNEL = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
-def _local_path(uri: Any, what: str) -> Path:
+def local_path(uri: Any, what: str) -> Path:
     """A local path or file:// URI as an absolute Path; s3:// and other schemes are errors."""
     if isinstance(uri, os.PathLike):
         uri = os.fspath(uri)
@@ -33,8 +33,8 @@ def _local_path(uri: Any, what: str) -> Path:
     return Path(uri).expanduser().resolve()
 
 
-def _existing(uri: Any, what: str) -> Path:
-    path = _local_path(uri, what)
+def existing_path(uri: Any, what: str) -> Path:
+    path = local_path(uri, what)
     if not path.exists():
         raise ConfigError(f"{what} must exist. Received: {what}={uri!r} ({path} does not exist).")
     return path
@@ -74,5 +74,5 @@ def resolve_channels(inputs: Any, model_uri: Any = None,
         if not isinstance(name, str) or not _CHANNEL.match(name):
             raise ConfigError(f"channel names must match [A-Za-z0-9._-]{{1,64}}. Received: "
                               f"channel {name!r}.")
-        resolved[name] = _existing(_input_uri(value), f"inputs[{name!r}]")
+        resolved[name] = existing_path(_input_uri(value), f"inputs[{name!r}]")
     return resolved

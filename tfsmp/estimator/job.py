@@ -24,8 +24,8 @@ from tfsmp.estimator.artifacts import (
     snapshot,
 )
 from tfsmp.estimator.failure_report import Failure, find_failure
-from tfsmp.estimator.layout import _archive, _write_json
-from tfsmp.estimator.plan import _Plan
+from tfsmp.estimator.layout import archive_dir, write_json
+from tfsmp.estimator.plan import JobPlan
 from tfsmp.launch import sagemaker as sm
 from tfsmp.launch.mpirun import launcher_never_started
 from tfsmp.launch.output import OutputFilter, tf_logs_wanted
@@ -73,7 +73,7 @@ class LocalTrainingJob:
         job.describe()["TrainingJobStatus"]
     """
 
-    plan: _Plan
+    plan: JobPlan
     max_run: float
     output_path: str
     compress: bool = True
@@ -250,9 +250,9 @@ class LocalTrainingJob:
         self._finished = True
         self.status, self.secondary_status, self.end_time = status, secondary, time.time()
         if status in ("Completed", "Stopped") and self.compress:
-            _archive(self.plan.paths.model, os.path.join(self.job_dir, "model.tar.gz"))
-            _archive(self.plan.paths.output_data, os.path.join(self.job_dir, "output.tar.gz"))
-        _write_json(os.path.join(self.job_dir, "job.json"), self.describe())
+            archive_dir(self.plan.paths.model, os.path.join(self.job_dir, "model.tar.gz"))
+            archive_dir(self.plan.paths.output_data, os.path.join(self.job_dir, "output.tar.gz"))
+        write_json(os.path.join(self.job_dir, "job.json"), self.describe())
 
     def _fail(self) -> None:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from tfsmp.errors import ConfigError
 from tfsmp.estimator.environment import checkpoint_dir
-from tfsmp.estimator.plan import _Plan
+from tfsmp.estimator.plan import JobPlan
 from tfsmp.launch import sagemaker as sm
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["materialize"]
 
 
-def materialize(est: Estimator, plan: _Plan) -> None:
+def materialize(est: Estimator, plan: JobPlan) -> None:
     """Writes the job directory of `plan`: every host's /opt/ml, the code, mpi_command.txt, hostfile."""
     paths = plan.paths
     try:
@@ -41,7 +41,7 @@ def materialize(est: Estimator, plan: _Plan) -> None:
         Path(paths.hostfile).write_text(
             sm.hostfile_text(plan.hosts, est.distribution.processes_per_host))
 
-def _materialize_host(est: Estimator, plan: _Plan, host: str, paths: sm.JobPaths) -> None:
+def _materialize_host(est: Estimator, plan: JobPlan, host: str, paths: sm.JobPaths) -> None:
     """One host's /opt/ml: config files, channels, model/ and output/ (code is shared)."""
     if paths != plan.paths:
         for d in (paths.input_config, paths.input_data, paths.model, paths.output_data,
@@ -50,11 +50,11 @@ def _materialize_host(est: Estimator, plan: _Plan, host: str, paths: sm.JobPaths
         os.symlink(plan.paths.code, paths.code)
     for name, src in plan.channels.items():
         _link_channel(src, paths.channel(name))
-    _write_json(os.path.join(paths.input_config, "hyperparameters.json"),
+    write_json(os.path.join(paths.input_config, "hyperparameters.json"),
                 sm.encode_hyperparameters(plan.hyperparameters))
-    _write_json(os.path.join(paths.input_config, "inputdataconfig.json"),
+    write_json(os.path.join(paths.input_config, "inputdataconfig.json"),
                 sm.input_data_config(list(plan.channels)))
-    _write_json(os.path.join(paths.input_config, "resourceconfig.json"),
+    write_json(os.path.join(paths.input_config, "resourceconfig.json"),
                 sm.resource_config(plan.hosts, host, est.resources.instance_type,
                                    plan.network_interface))
 
@@ -82,14 +82,14 @@ def _link_channel(src: Path, dest: str) -> None:
         os.symlink(src, os.path.join(dest, src.name))
 
 
-def _archive(src: str, dest: str) -> None:
+def archive_dir(src: str, dest: str) -> None:
     """A .tar.gz of the contents of `src` at the archive root (SageMaker's model.tar.gz layout)."""
     with tarfile.open(dest, "w:gz") as tar:
         for child in sorted(os.listdir(src)):
             tar.add(os.path.join(src, child), arcname=child)
 
 
-def _write_json(path: str, obj: Any) -> None:
+def write_json(path: str, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tfsmp.errors import ConfigError
-from tfsmp.estimator.arguments import _job_name
+from tfsmp.estimator.arguments import resolve_job_name
 from tfsmp.estimator.environment import job_environment
 from tfsmp.estimator.inputs import resolve_channels
 from tfsmp.launch import sagemaker as sm
@@ -25,7 +25,7 @@ __all__ = ["plan_job"]
 
 
 @dataclass
-class _Plan:
+class JobPlan:
     """Everything a job needs, decided before anything is written."""
 
     name: str
@@ -42,14 +42,14 @@ class _Plan:
     network_interface: str = "lo"
 
 
-def plan_job(est: Estimator, inputs: Any, job_name: str | None) -> _Plan:
+def plan_job(est: Estimator, inputs: Any, job_name: str | None) -> JobPlan:
     """The plan of the job `fit(inputs, job_name=...)` runs; nothing is written yet."""
-    name = _job_name(est.base_job_name or est._default_base_name, job_name)
+    name = resolve_job_name(est.base_job_name or est.default_base_name, job_name)
     paths = sm.JobPaths(os.path.join(est.output_path, name))
     channels = resolve_channels(inputs, est.model_uri, est.model_channel_name)
     entry = est.entry_point if est.source_dir else os.path.basename(est.entry_point)
     submit = f"file://{est.source_dir or os.path.dirname(est.entry_point)}"
-    hps = {**est.hyperparameters(), **est._framework_hyperparameters(paths),
+    hps = {**est.hyperparameters(), **est.framework_hyperparameters(paths),
            "sagemaker_program": entry, "sagemaker_submit_directory": submit,
            "sagemaker_container_log_level": 20, "sagemaker_job_name": name}
     hosts = sm.host_names(est.instance_count)
@@ -66,7 +66,7 @@ def plan_job(est: Estimator, inputs: Any, job_name: str | None) -> _Plan:
         prefix = [python] if python == "/bin/sh" else [python, "-u"]
         commands = [[*prefix, *entry_argv] for _ in hosts]
         host_env = [{"SM_CURRENT_HOST": host} for host in hosts]
-    return _Plan(name, paths, hosts, channels, hps, env, commands, host_env,
+    return JobPlan(name, paths, hosts, channels, hps, env, commands, host_env,
                  est.distribution.mpi_enabled)
 
 def _across_hosts(est: Estimator, hosts: list[str]) -> bool:
@@ -82,7 +82,7 @@ def _across_hosts(est: Estimator, hosts: list[str]) -> bool:
 
 def _plan_across_hosts(est: Estimator, name: str, paths: sm.JobPaths, hosts: list[str],
                        channels: dict[str, Path], hps: dict[str, Any], entry: str,
-                       submit: str) -> _Plan:
+                       submit: str) -> JobPlan:
     """One mpirun from algo-1 over `--host algo-1:N,...`. [Note: hosts across machines]"""
     ppn = est.distribution.processes_per_host
     iface = os.environ.get("SM_NETWORK_INTERFACE_NAME") or default_interface(
@@ -109,7 +109,7 @@ def _plan_across_hosts(est: Estimator, name: str, paths: sm.JobPaths, hosts: lis
         has_ld_library_path=bool(env.get("LD_LIBRARY_PATH")), network_interface=iface,
         use_mpi4py_module=python != "/bin/sh", host_env=per_host,
         host_list=",".join(f"{h}:{ppn}" for h in hosts), tcp_interface=iface)
-    return _Plan(name, paths, hosts, channels, hps, env, [command], [{}], True,
+    return JobPlan(name, paths, hosts, channels, hps, env, [command], [{}], True,
                  host_paths, iface)
 
 

@@ -6,10 +6,10 @@ below that need them resolve on first use.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from tfsmp.graph.ir import LayerGraph, LayerNode, TensorInfo
+from tfsmp.lazy import LazyNames
 
 # public name -> module that defines it (these import Keras/TensorFlow)
 _LAZY: dict[str, str] = {
@@ -26,14 +26,12 @@ _LAZY: dict[str, str] = {
 __all__ = ["LayerGraph", "LayerNode", "TensorInfo", *sorted(_LAZY)]
 
 
+_NAMES = LazyNames(__name__, _LAZY)
+
+
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tfsmp.graph' has no attribute '{name}'")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _NAMES.resolve(name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return _NAMES.listing()

@@ -135,7 +135,7 @@ def release(variables: Iterable[keras.Variable]) -> list[keras.Variable]:
         if is_deferred(v):
             continue
         v._initializer = _Released(v.path, getattr(v, _SAVED, None))
-        v._value = None
+        v._value = None  # noqa: SLF001 (a Keras Variable's value slot)
         done.append(v)
     return done
 

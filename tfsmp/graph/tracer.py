@@ -192,7 +192,7 @@ class TracedModel:
         Raises:
             StepError: if ``x`` does not match the model's inputs.
         """
-        flat = self._flatten_inputs(x)
+        flat = self.flatten_inputs(x)
         return {k: self._convert(v, spec) for k, v, spec in zip(self.input_keys, flat, self.input_specs)}
 
     def pack_outputs(self, values: Iterable[Any], masks: Iterable[Any] | None = None) -> Any:
@@ -243,7 +243,7 @@ class TracedModel:
         """The outputs' masks found in ``env`` (aligned with `output_keys`, None where none)."""
         return [env.get(k) if k is not None else None for k in self.output_mask_keys]
 
-    def _flatten_inputs(self, x: Any) -> list[Any]:
+    def flatten_inputs(self, x: Any) -> list[Any]:
         if isinstance(x, dict) and all(n in x for n in self.input_names):
             flat = [x[n] for n in self.input_names]
         elif len(self.input_specs) == 1 and not isinstance(x, (list, tuple, dict)):

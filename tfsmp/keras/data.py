@@ -25,6 +25,7 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
+import keras
 import numpy as np
 
 from tfsmp.errors import StepError
@@ -37,7 +38,7 @@ DIGEST_BYTES = 1 << 20  # per leaf; larger leaves hash evenly spaced rows (a bou
 
 
 def _is_array_like(x: Any) -> bool:
-    leaves = mbatch._leaves(x)
+    leaves = mbatch.leaves(x)
     return bool(leaves) and all(isinstance(v, np.ndarray) or (hasattr(v, "__array__") and
                                 not hasattr(v, "element_spec")) for v in leaves)
 
@@ -137,21 +138,11 @@ def capped_steps(steps_per_epoch: int | None) -> int | None:
 
 
 def _as_numpy(v: Any) -> Any:
-    if v is None:
-        return None
-    if isinstance(v, dict):
-        return {k: _as_numpy(a) for k, a in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_as_numpy(a) for a in v)
-    return np.asarray(v)
+    return keras.tree.map_structure(lambda a: None if a is None else np.asarray(a), v)
 
 
 def _rows(v: Any, idx: np.ndarray) -> Any:
-    if isinstance(v, dict):
-        return {k: _rows(a, idx) for k, a in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_rows(a, idx) for a in v)
-    return v[idx]
+    return keras.tree.map_structure(lambda a: a[idx], v)
 
 
 def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float
@@ -197,7 +188,7 @@ def batch_digest(batch: Any) -> tuple[Any, ...]:
     equal. Non-array leaves (Python numbers, strings) enter by value. [Note: same batch on every
     rank]"""
     out = []
-    for leaf in mbatch._leaves(batch):
+    for leaf in mbatch.leaves(batch):
         if hasattr(leaf, "shape") or isinstance(leaf, (list, np.ndarray)):
             out.append(_leaf_digest(leaf))
         else:
@@ -263,7 +254,7 @@ def check_step_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
     st = core.state()
     _STEP_CALLS[0] += 1
-    leaves = [v for v in mbatch._leaves((args, kwargs)) if _step_leaf(v)]
+    leaves = [v for v in mbatch.leaves((args, kwargs)) if _step_leaf(v)]
     tag = f"[{st.tag()}]"
     check_same_batch(st.comm.pipeline, leaves, rank_tag=tag,
                      where=f"in smp.step call {_STEP_CALLS[0]}")

@@ -49,6 +49,7 @@ from tfsmp.keras.overrides import check_overrides
 from tfsmp.runtime import microbatch as mbatch
 
 if TYPE_CHECKING:
+    from tfsmp.core import State
     from tfsmp.runtime.view import RankView
 
 __all__ = ["DistributedModel", "deferred_init", "register_post_partition_hook"]
@@ -120,10 +121,10 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             "and backward pass in a function decorated with @smp.step.")
 
     def _step_call(self, ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from tfsmp.keras.step import _Captured
+        from tfsmp.keras.step import CapturedCall
 
         if ctx.mode == "capture":
-            raise _Captured(args, kwargs)
+            raise CapturedCall(args, kwargs)
         ctx.calls += 1
         if ctx.calls > 1:
             raise StepError(
@@ -133,7 +134,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             return ctx.run_call(*args, **kwargs)
         x = args[0] if args else next(iter(kwargs.values()))  # "dry": shapes only
         with tf.init_scope():
-            engine = self._ensure_engine(tf.nest.map_structure(
+            engine = self.engine_for(tf.nest.map_structure(
                 lambda t: keras.KerasTensor(tuple(t.shape), dtype=t.dtype.name), x))
         rows = tf.shape(tf.nest.flatten(x)[0])[0]
         traced = engine.view.traced
@@ -210,10 +211,31 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def _rank_tag(self) -> str:
         return f"[{self._state.tag()}]"
 
-    def _source_model(self) -> keras.Model:
+    # -- the public seam of the layers above (tfsmp/checkpoint) ---------------------------------
+
+    # Methods, not properties: Keras's and TensorFlow's savers walk a model's properties, and
+    # the source model of a subclass is the model itself.
+
+    def runtime_state(self) -> State:
+        """This process's runtime (`tfsmp.core.State`: config, topology, comm, rank), kept by
+        the model from first use on; `smp.init()` runs with the environment's config if no one
+        called it yet."""
+        if self._state is None:
+            self._state = self._runtime_state()
+        return self._state  # type: ignore[no-any-return]
+
+    def source_model(self) -> keras.Model:
+        """The Keras model whose layers are partitioned: the wrapped model, or this model itself
+        when it is a `DistributedModel` subclass."""
         return self._wrapped if self._wrapped is not None else self
 
-    def _ensure_engine(self, sample_x: Any) -> Any:
+    def resume_at(self, epoch: int | None, step: int) -> None:
+        """Where the next `fit` starts: at batch ``step`` of ``epoch`` (counted from 0), as
+        Keras's `BackupAndRestore` resumes (``epoch=None``: at `fit`'s own ``initial_epoch``);
+        `fit` forgets it once it has started there."""
+        self._initial_epoch, self._initial_step = epoch, step
+
+    def engine_for(self, sample_x: Any) -> Any:
         if self._engine is not None:
             return self._engine
         from tfsmp.runtime.setup import build_engine
@@ -222,7 +244,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         if getattr(self, "optimizer", None) is None:
             self.optimizer = None  # SMP scripts apply gradients with their own optimizer
         self._engine = build_engine(
-            self._source_model(), sample_x, self._state,
+            self.source_model(), sample_x, self._state,
             compile_loss=getattr(self, "_compile_loss", None),
             optimizer=getattr(self, "optimizer", None), rank_tag=self._rank_tag(),
             subclassed=self._wrapped is None, profile_batch=self._profile_batch)
@@ -261,7 +283,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
     def partition(self, sample_x: Any) -> Any:
         """Traces and partitions now (otherwise done at first use); returns the plan."""
-        return self._ensure_engine(sample_x).view.plan
+        return self.engine_for(sample_x).view.plan
 
     # -- training ------------------------------------------------------------------------------
 
@@ -283,7 +305,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         check_overrides(self, "train_on_batch", rank_tag=self._rank_tag())
         if class_weight is not None:
             sample_weight = class_sample_weights(y, sample_weight, class_weight)
-        engine = self._ensure_engine(x)
+        engine = self.engine_for(x)
         self._reset_metrics()
         logs = self._train_batch(engine, x, y, sample_weight)
         return logs if return_dict else self._flatten_metrics_in_order(logs)  # as Keras orders
@@ -294,7 +316,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._check_compiled()
         self._state = self._runtime_state()
         check_overrides(self, "test_on_batch", rank_tag=self._rank_tag())
-        engine = self._ensure_engine(x)
+        engine = self.engine_for(x)
         self._reset_metrics()
         logs = self._step_logs(engine.view, engine.evaluate(x, y, sample_weight),
                                mbatch.batch_size_of(x))
@@ -434,7 +456,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         # tfsmp.checkpoint.BackupAndRestore sets where an interrupted fit stopped (as Keras's does)
         initial_epoch = getattr(self, "_initial_epoch", None) or initial_epoch
         skip = getattr(self, "_initial_step", 0) or 0
-        self._initial_epoch, self._initial_step = None, 0
+        self.resume_at(None, 0)
         logs: dict[str, float] = {}
         for epoch in range(initial_epoch, epochs):
             self._reset_metrics()
@@ -443,7 +465,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
                 if epoch == initial_epoch and step < skip:
                     continue
                 cb.on_train_batch_begin(step)
-                engine = self._ensure_engine(xb)
+                engine = self.engine_for(xb)
                 logs = self._train_batch(engine, xb, yb, wb)
                 cb.on_train_batch_end(step, logs)
                 if self.stop_training:
@@ -519,7 +541,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
     def _forward_batch(self, x: Any) -> Any:
         """Pipelined forward of a global batch; returns merged outputs on every rank."""
-        engine = self._ensure_engine(x)
+        engine = self.engine_for(x)
         _, result = engine.forward(x)
         return self._gather_outputs(engine.view, result)
 
@@ -562,7 +584,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._reset_metrics()
         logs: dict[str, float] = {}
         for xb, yb, wb in self._agreed(source, 0):
-            engine = self._ensure_engine(xb)
+            engine = self.engine_for(xb)
             result = engine.evaluate(xb, yb, wb)
             logs = self._step_logs(engine.view, result, mbatch.batch_size_of(xb))
         if return_dict:
@@ -583,7 +605,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def get_weights(self) -> list[np.ndarray]:
         """All weights of the whole model, in the wrapped model's order, on every rank."""
         if self._engine is None:
-            return list(self._source_model().get_weights())
+            return list(self.source_model().get_weights())
         variables = self._all_variables()
         owned = self._owned()
         local = {i: variables[i].numpy() for i in owned}
@@ -596,7 +618,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def set_weights(self, weights: list[Any]) -> None:
         """Sets all weights (the whole model's list); each rank assigns only its own."""
         if self._engine is None:
-            self._source_model().set_weights(weights)
+            self.source_model().set_weights(weights)
             return
         variables = self._all_variables()
         if len(weights) != len(variables):
@@ -644,7 +666,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def summary(self, *args: Any, **kwargs: Any) -> None:
         """Prints each layer with its stage (plan known) or the wrapped model's summary."""
         if self._engine is None:
-            self._source_model().summary(*args, **kwargs)
+            self.source_model().summary(*args, **kwargs)
             return None
         print_fn = kwargs.get("print_fn") or print
         view = self._view()

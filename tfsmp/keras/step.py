@@ -47,6 +47,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -111,7 +112,7 @@ class StepOutput:
 # -- the context a step body runs in -------------------------------------------------------------
 
 
-class _Captured(Exception):
+class CapturedCall(Exception):
     """Raised by the model call in capture mode: the body need not run further."""
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -247,12 +248,13 @@ def _value(v: Any) -> Any:
 def _split_arg(value: Any, m: int, axis: int, name: str) -> list[Any]:
     if hasattr(value, "smp_slice"):
         return [value.smp_slice(m, i, axis) for i in range(m)]
-    if isinstance(value, dict):
-        parts = {k: _split_arg(v, m, axis, name) for k, v in value.items()}
-        return [{k: parts[k][i] for k in value} for i in range(m)]
-    if isinstance(value, (list, tuple)):
-        items = [_split_arg(v, m, axis, name) for v in value]
-        return [type(value)(item[i] for item in items) for i in range(m)]
+    parts = [_split_leaf(leaf, m, axis, name) for leaf in keras.tree.flatten(value)]
+    return [keras.tree.pack_sequence_as(value, [p[i] for p in parts]) for i in range(m)]
+
+
+def _split_leaf(value: Any, m: int, axis: int, name: str) -> list[Any]:
+    if hasattr(value, "smp_slice"):
+        return [value.smp_slice(m, i, axis) for i in range(m)]
     if isinstance(value, (tf.Tensor, np.ndarray, tf.Variable)) and len(np.shape(value)) > axis:
         n = int(value.shape[axis])
         if n % m:
@@ -341,7 +343,7 @@ class _Step:
         captured = [self._capture(a, k) for a, k in parts]
         model = captured[0][1]
         inputs = [c for c, _ in captured]
-        engine = model._ensure_engine(_model_input(*inputs[0]))
+        engine = model.engine_for(_model_input(*inputs[0]))
         traced = engine.view.traced
         if self._trains is None:  # same data on every rank, so every rank decides alike
             self._trains = self._dry_run(parts[0][0], parts[0][1], model).trains
@@ -399,7 +401,7 @@ class _Step:
         with _activate(ctx):
             try:
                 self.fn(*args, **kwargs)
-            except _Captured as c:
+            except CapturedCall as c:
                 return (c.args, c.kwargs), ctx.model
         raise StepError(
             f"A step must call the DistributedModel and return something that depends on its "
@@ -606,12 +608,7 @@ def _grads_in(result: Any, template: Any) -> Any:
 
 
 def _to_step_outputs(per_mb: list[Any], m: int) -> Any:
-    first = per_mb[0]
-    if isinstance(first, dict):
-        return {k: _to_step_outputs([p[k] for p in per_mb], m) for k in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(_to_step_outputs([p[j] for p in per_mb], m) for j in range(len(first)))
-    return StepOutput(per_mb)
+    return keras.tree.map_structure(lambda *parts: StepOutput(list(parts)), *per_mb)
 
 
 def _to_numpy(v: Any) -> Any:

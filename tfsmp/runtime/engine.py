@@ -173,7 +173,7 @@ class Engine:
     def output_shapes(self, x: Any) -> list[tuple[int | None, ...]]:
         """The shapes of the model's outputs (batch axis first) for inputs shaped like ``x``
         (tensors, possibly symbolic with unknown dimensions), without running the model."""
-        flat = self.traced._flatten_inputs(x)
+        flat = self.traced.flatten_inputs(x)
         shapes = {k: tuple(v.shape) for k, v in zip(self.traced.input_keys, flat)}
         if self._outputs is None:
             self._outputs = ShapeResolver(self.traced, self.traced.output_keys)

@@ -138,7 +138,7 @@ class GradientState:
         """Replaces the per-microbatch parts by the step's gradient per variable, in batch order."""
         for i, by_mb in self._parts.items():
             parts = [by_mb[k] for k in sorted(by_mb)]
-            self.sparse[i] = combine_parts(parts, self.rules.get(i, CONCAT), self._name(i))
+            self.sparse[i] = combine_parts(parts, self.rules.get(i, CONCAT), self.variable_name(i))
         self._parts.clear()
 
     def combine_replicas(self, gathered: Iterable[dict[int, SparsePart]]) -> None:
@@ -147,7 +147,7 @@ class GradientState:
         for replica in gathered:
             for i, part in replica.items():
                 per_var.setdefault(i, []).append(part)
-        self.sparse = {i: combine_parts(parts, self.rules.get(i, CONCAT), self._name(i))
+        self.sparse = {i: combine_parts(parts, self.rules.get(i, CONCAT), self.variable_name(i))
                        for i, parts in per_var.items()}
 
     def host_sparse(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -185,6 +185,6 @@ class GradientState:
             return ok, None
         return False, min(i for (i, _), good in zip(self._flags, values) if not good)
 
-    def _name(self, i: int) -> str:
+    def variable_name(self, i: int) -> str:
         v = self.trainable[i]
         return f"'{getattr(v, 'path', None) or v.name}'"

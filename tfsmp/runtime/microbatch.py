@@ -1,39 +1,23 @@
-"""Split a batch into microbatches and merge per-microbatch results back."""
+"""Cut a batch into the rows of each replica and microbatch (nested structures through
+`keras.tree`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
+import keras
 import numpy as np
 
 from tfsmp.errors import StepError
 
-__all__ = ["batch_size_of", "merge", "split", "split_sizes", "take_rows"]
+__all__ = ["batch_size_of", "leaves", "split_sizes", "take_rows"]
 
 # i: microbatch, m: number of microbatches, b: batch size, d: data-parallel replicas
 
 
-def _leaves(structure: Any) -> list[Any]:
-    if structure is None:
-        return []
-    if isinstance(structure, dict):
-        return [leaf for k in sorted(structure) for leaf in _leaves(structure[k])]
-    if isinstance(structure, (list, tuple)):
-        return [leaf for item in structure for leaf in _leaves(item)]
-    return [structure]
-
-
-def _map(fn: Any, structure: Any) -> Any:
-    if structure is None:
-        return None
-    if isinstance(structure, dict):
-        return {k: _map(fn, v) for k, v in structure.items()}
-    if isinstance(structure, tuple):
-        return tuple(_map(fn, v) for v in structure)
-    if isinstance(structure, list):
-        return [_map(fn, v) for v in structure]
-    return fn(structure)
+def leaves(structure: Any) -> list[Any]:
+    """The arrays of a nested batch (dicts by sorted key, lists, tuples), Nones left out."""
+    return [leaf for leaf in keras.tree.flatten(structure) if leaf is not None]
 
 
 def batch_size_of(structure: Any, axis: int = 0) -> int:
@@ -42,7 +26,7 @@ def batch_size_of(structure: Any, axis: int = 0) -> int:
     Raises:
         StepError: when leaves disagree on their batch size.
     """
-    sizes = {int(np.shape(leaf)[axis]) for leaf in _leaves(structure)}
+    sizes = {int(np.shape(leaf)[axis]) for leaf in leaves(structure)}
     if not sizes:
         raise StepError("A batch needs at least one array or tensor. Received: an empty structure.")
     if len(sizes) > 1:
@@ -57,7 +41,7 @@ def take_rows(structure: Any, start: int, stop: int, axis: int = 0) -> Any:
         index = [slice(None)] * len(np.shape(leaf))
         index[axis] = slice(start, stop)
         return leaf[tuple(index)]
-    return _map(cut, structure)
+    return keras.tree.map_structure(lambda leaf: None if leaf is None else cut(leaf), structure)
 
 
 def split_sizes(rows: int, parts: int) -> list[int]:
@@ -67,32 +51,3 @@ def split_sizes(rows: int, parts: int) -> list[int]:
         return []
     base, extra = divmod(rows, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def split(structure: Any, num_microbatches: int, axis: int = 0, what: str = "batch") -> list[Any]:
-    """Splits every leaf into ``num_microbatches`` equal parts along ``axis``.
-
-    Raises:
-        StepError: when the batch size is not divisible by ``num_microbatches``.
-    """
-    b = batch_size_of(structure, axis)
-    if b % num_microbatches:
-        raise StepError(
-            f"{what} size must be divisible by microbatches. Received: batch_size={b}, "
-            f"microbatches={num_microbatches}. Use a batch size that is a multiple of "
-            f"{num_microbatches} (with tf.data: .batch(..., drop_remainder=True)).")
-    size = b // num_microbatches
-    return [take_rows(structure, i * size, (i + 1) * size, axis) for i in range(num_microbatches)]
-
-
-def merge(parts: Sequence[Any], axis: int = 0) -> Any:
-    """Concatenates per-microbatch structures along ``axis`` (the inverse of `split`)."""
-    first = parts[0]
-    if first is None:
-        return None
-    if isinstance(first, dict):
-        return {k: merge([p[k] for p in parts], axis) for k in first}
-    if isinstance(first, (list, tuple)):
-        merged = [merge([p[j] for p in parts], axis) for j in range(len(first))]
-        return type(first)(merged) if isinstance(first, tuple) else merged
-    return np.concatenate([np.asarray(p) for p in parts], axis=axis)

@@ -168,12 +168,12 @@ class Objective:
         original_build = cl.build
 
         def swap() -> tuple[Any, Any]:
-            saved = (cl._flat_losses, cl._metrics)
+            saved = (cl._flat_losses, cl._metrics)  # noqa: SLF001 (Keras's CompileLoss)
             out.weights = [1.0 if f.loss_weights is None else float(f.loss_weights)
                            for f in saved[0]]
             cl._flat_losses = [f._replace(loss=_Recorder(f.loss, getattr(f.loss, "reduction", None),
                                                          out)) for f in saved[0]]
-            cl._metrics = [None] * len(saved[0])
+            cl._metrics = [None] * len(saved[0])  # noqa: SLF001
             return saved
 
         saved: list[Any] = []
@@ -192,7 +192,7 @@ class Objective:
             if "build" in vars(cl):
                 del cl.build
             if saved:
-                cl._flat_losses, cl._metrics = saved[0]
+                cl._flat_losses, cl._metrics = saved[0]  # noqa: SLF001
 
     def call(self, y: Any, y_pred: Any, sample_weight: Any) -> Recorded:
         """Runs the compiled loss on one microbatch, recording its terms."""

@@ -420,7 +420,7 @@ class StageProgram:
                 raise StepError(
                     f"A variable read by a lookup must be read either once per sample or "
                     f"independently of the batch, for tfsmp to split the batch. Received: "
-                    f"{self.grads._name(i)} on stage {self.stage} is read both ways ({one} rows "
+                    f"{self.grads.variable_name(i)} on stage {self.stage} is read both ways ({one} rows "
                     f"for a microbatch, {two} for twice its samples). Use microbatches=1 with "
                     f"one replica, or read the table through two layers.")
         return rules

@@ -146,7 +146,7 @@ class Watchdog:
                  pipeline_rank_of: Callable[[int], int] | Sequence[int],
                  directory: str | None = None, *, limit: float = 0.0) -> None:
         self.rank, self.size, self.limit = rank, size, float(limit)
-        self._pipeline_rank_of = pipeline_rank_of
+        self.pipeline_ranks = pipeline_rank_of
         self.pipeline_rank = self.pipeline_rank_of(rank)
         self.host = socket.gethostname()
         self.tag = f"rank {rank} | pp_rank {self.pipeline_rank}"
@@ -168,7 +168,7 @@ class Watchdog:
     # -- the record ----------------------------------------------------------------------------
 
     def pipeline_rank_of(self, rank: int) -> int:
-        fn = self._pipeline_rank_of
+        fn = self.pipeline_ranks
         return int(fn(rank) if callable(fn) else fn[rank])
 
     def _open(self) -> None:
@@ -421,7 +421,7 @@ def for_process() -> Watchdog | None:
     size = st.topology.world_size
     pipeline_ranks = [st.topology.pipeline_rank_of(r) for r in range(size)]
     old = _PROCESS[2] if _PROCESS is not None else None
-    if old is not None and (old.rank, old.size, old._pipeline_rank_of) == (st.rank, size,
+    if old is not None and (old.rank, old.size, old.pipeline_ranks) == (st.rank, size,
                                                                             pipeline_ranks):
         old.limit = limit  # the same layout: keep the file, steps count on
         _PROCESS = (st, limit, old)

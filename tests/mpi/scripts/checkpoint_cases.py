@@ -19,7 +19,6 @@ from checkpoint_models import BATCH, build_mlp, build_rich, mlp_data, rich_data
 
 import tfsmp
 from tfsmp.checkpoint import BackupAndRestore, export, store
-from tfsmp.checkpoint.layout import Layout
 from tfsmp.errors import CheckpointError
 
 DIR = os.environ.get("TFSMP_CKPT_DIR", "/tmp/tfsmp_ckpt_cases")
@@ -146,7 +145,7 @@ def _resume(ctx: object, pipeline: str) -> dict[str, object]:
     weights = dm.get_weights()
     with np.load(_path(f"straight_{pipeline}.npz")) as f:
         straight = [f[f"arr_{i}"] for i in range(len(f.files))]
-    layout = Layout.of(dm)
+    layout = dm.rank_view
     read = set(store.last_read())
     return {"restored": restored, "err": _err(weights, straight),
             "iterations": int(dm.optimizer.iterations.numpy()),
@@ -205,7 +204,7 @@ def case_load_pretrained_frozen(ctx: object) -> dict[str, object]:
     names = [v.path for v in inner.weights]
     frozen = [i for i, n in enumerate(names) if n.split("/")[0] in ("d0", "d1")]
     trained = [i for i, n in enumerate(names) if n.split("/")[0] == "head"]
-    held = len(Layout.of(dm).held)
+    held = len(dm.rank_view.held)
     second = tfsmp.DistributedModel(build_mlp(seed=78))
     second.partition(x[:BATCH])
     second.load_weights(_path("pretrained.weights.h5"))  # after partitioning: applied now
@@ -261,7 +260,7 @@ def case_bad_checkpoint_changes_nothing(ctx: object) -> dict[str, object]:
         message = str(e)
     unchanged = all(np.array_equal(a, b) for a, b in zip(before, other.get_weights()))
     return {"message": message, "unchanged": unchanged, "key": key, "file": file,
-            "holds_key": key in Layout.of(other).held}
+            "holds_key": key in other.rank_view.held}
 
 
 class _Epochs(keras.callbacks.Callback):  # type: ignore[misc]

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfsmp
-from tfsmp.checkpoint.layout import Layout, optimizer_state
+from tfsmp.checkpoint.layout import optimizer_state
 
 DIR = os.environ.get("TFSMP_TIED_DIR", "/tmp/tfsmp_tied_cases")
 SEQ, VOCAB, DIM = 8, 24, 16
@@ -123,7 +123,7 @@ def _digest(v: object) -> str:
 def tied_digests(dm: tfsmp.DistributedModel) -> dict[str, str]:
     """{checkpoint key (and key/slot): digest} of the tied variables this rank holds."""
     engine = dm._engine
-    layout = Layout.of(dm)
+    layout = dm.rank_view
     tied = {id(v) for _, g in engine.ties.groups for v in g.variables}
     out = {layout.keys[i]: _digest(v) for i, v in
            ((id(v), v) for _, g in engine.ties.groups for v in g.variables)}
@@ -284,7 +284,7 @@ def case_checkpoint_restore_p4(ctx: object) -> dict[str, object]:
     _manager(dm, "tied_ckpt").restore()
     with np.load(os.path.join(DIR, "tied_weights.npz")) as f:
         saved = [f[f"arr_{i}"] for i in range(len(f.files))]
-    layout = Layout.of(dm)
+    layout = dm.rank_view
     index = {id(v): i for i, v in enumerate(dm._all_variables())}
     local = {layout.keys[id(v)]: bool(np.array_equal(v.numpy(), saved[index[id(v)]]))
              for _, g in dm._engine.ties.groups for v in g.variables}

@@ -7,7 +7,11 @@ from collections.abc import Collection, Mapping, Sequence
 
 from tfsmp.launch.mpirun import build_mpirun_command
 from tfsmp.launch.sagemaker.instances import EFA_NCCL_INSTANCES, EFA_RDMA_INSTANCES
-from tfsmp.launch.sagemaker.mpi_options import _groups, _parse_custom, merge_mpi_options
+from tfsmp.launch.sagemaker.mpi_options import (
+    merge_mpi_options,
+    option_groups,
+    parse_custom_options,
+)
 
 __all__ = ["JOB_VARIABLES", "exported_names", "format_command", "toolkit_mpirun_command"]
 
@@ -102,7 +106,7 @@ def toolkit_mpirun_command(*, hosts: Sequence[str], processes_per_host: int,
     """
     per_host = list(host_env) if host_env is not None else [
         {"SM_CURRENT_HOST": host} for host in hosts]
-    nccl_debug, custom = _parse_custom(custom_mpi_options)
+    nccl_debug, custom = parse_custom_options(custom_mpi_options)
     builtin = _toolkit_flags(nccl_debug, network_interface, has_ld_library_path)
     builtin += _efa_flags(instance_type)
     builtin += [tok for name in exported for tok in ("-x", name)]
@@ -113,7 +117,7 @@ def toolkit_mpirun_command(*, hosts: Sequence[str], processes_per_host: int,
         extra_mpi_args=[*merge_mpi_options(builtin, custom), *_env_pairs(per_host[0])],
         python=python, use_mpi4py_module=use_mpi4py_module, oversubscribe=False,
         as_root=as_root, tag_output=True, mpirun=mpirun)
-    custom_keys = {key for key, _ in _groups(custom)}
+    custom_keys = {key for key, _ in option_groups(custom)}
     for flag in ("--bind-to", "--map-by"):
         if ("opt", flag[2:]) in custom_keys:  # Open MPI 5 refuses these flags twice
             argv = _drop_pair(argv, flag)

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tfsmp.config import Config, parse_mp_parameters, validate
-from tfsmp.errors import ConfigError
+from tfsmp.errors import ConfigError, did_you_mean, short_repr
 from tfsmp.launch.sagemaker.instances import Resources
-from tfsmp.launch.sagemaker.messages import _did_you_mean, _r
 
 __all__ = ["SMDISTRIBUTED_SUPPORTED_STRATEGIES", "Distribution", "get_mp_parameters",
            "resolve_distribution", "validate_smdistributed"]
@@ -40,7 +39,7 @@ def validate_smdistributed(distribution: Mapping[str, Any]) -> None:
     smd = distribution["smdistributed"]
     if not isinstance(smd, Mapping):
         raise ConfigError("smdistributed strategy requires a dictionary."
-                          f" Received: smdistributed={_r(smd)}. Pass "
+                          f" Received: smdistributed={short_repr(smd, 200)}. Pass "
                           "{'modelparallel': {'enabled': True, 'parameters': {...}}}.")
     if len(smd) > 1:
         hint = ""
@@ -56,7 +55,7 @@ def validate_smdistributed(distribution: Mapping[str, Any]) -> None:
         if strategy not in SMDISTRIBUTED_SUPPORTED_STRATEGIES:
             raise ConfigError(f"Invalid smdistributed strategy provided: {strategy} \nSupported "
                               f"strategies: {SMDISTRIBUTED_SUPPORTED_STRATEGIES}"
-                              + _did_you_mean(strategy, SMDISTRIBUTED_SUPPORTED_STRATEGIES))
+                              + did_you_mean(strategy, SMDISTRIBUTED_SUPPORTED_STRATEGIES))
 
 
 def get_mp_parameters(distribution: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -72,13 +71,13 @@ def get_mp_parameters(distribution: Mapping[str, Any]) -> dict[str, Any] | None:
     mp = smd.get("modelparallel", {}) if isinstance(smd, Mapping) else {}
     if not isinstance(mp, Mapping):
         raise ConfigError(f"smdistributed.modelparallel must be a dict. Received: modelparallel="
-                          f"{_r(mp)}. Pass {{'enabled': True, 'parameters': {{...}}}}.")
+                          f"{short_repr(mp, 200)}. Pass {{'enabled': True, 'parameters': {{...}}}}.")
     if mp.get("enabled", False) is not True:
         return None
     params = parse_mp_parameters(mp.get("parameters", {}))
     if "partitions" not in params and "pipeline_parallel_degree" not in params:
         raise ConfigError("'partitions' is a required parameter. Received: parameters="
-                          f"{_r(params)}. Add e.g. 'partitions': 2 (the number of pipeline stages).")
+                          f"{short_repr(params, 200)}. Add e.g. 'partitions': 2 (the number of pipeline stages).")
     return params
 
 
@@ -109,7 +108,7 @@ def _check_top_level(distribution: Mapping[str, Any]) -> None:
                 "'smdistributed' (modelparallel) with 'mpi'; remove the other keys.")
         if key not in _DISTRIBUTION_KEYS:
             raise ConfigError(f"Unknown distribution key {key!r}. Received: distribution keys "
-                              f"{sorted(map(str, distribution))}.{_did_you_mean(key, _DISTRIBUTION_KEYS)}"
+                              f"{sorted(map(str, distribution))}.{did_you_mean(key, _DISTRIBUTION_KEYS)}"
                               " tfsmp reads 'smdistributed' and 'mpi'.")
 
 
@@ -127,37 +126,37 @@ def _check_modelparallel_keys(distribution: Mapping[str, Any]) -> None:
     for key in mp:
         if key not in _MODELPARALLEL_KEYS:
             raise ConfigError(f"Unknown key {key!r} in smdistributed.modelparallel. Received: "
-                              f"{sorted(map(str, mp))}.{_did_you_mean(key, _MODELPARALLEL_KEYS)} "
+                              f"{sorted(map(str, mp))}.{did_you_mean(key, _MODELPARALLEL_KEYS)} "
                               "It takes 'enabled' and 'parameters'; parameters go inside "
                               "'parameters'.")
 
 
-def _mpi_options(distribution: Mapping[str, Any]) -> tuple[bool, int | None, str]:
+def mpi_options_of(distribution: Mapping[str, Any]) -> tuple[bool, int | None, str]:
     """(enabled, processes_per_host, custom_mpi_options) of `distribution['mpi']`."""
     mpi = distribution.get("mpi", {})
     if not isinstance(mpi, Mapping):
-        raise ConfigError(f"distribution['mpi'] must be a dict. Received: mpi={_r(mpi)}. Pass "
+        raise ConfigError(f"distribution['mpi'] must be a dict. Received: mpi={short_repr(mpi, 200)}. Pass "
                           "{'enabled': True, 'processes_per_host': N}.")
     for key in mpi:
         if key not in _MPI_KEYS:
             # The SDK ignores unknown keys, so a typo silently launches one process per host
             # (amazon-sagemaker-examples#1872).
             raise ConfigError(f"Unknown key {key!r} in distribution['mpi']. Received: mpi keys "
-                              f"{sorted(map(str, mpi))}.{_did_you_mean(key, _MPI_KEYS)} Valid "
+                              f"{sorted(map(str, mpi))}.{did_you_mean(key, _MPI_KEYS)} Valid "
                               f"keys: {list(_MPI_KEYS)}.")
     enabled = mpi.get("enabled", False)
     if not isinstance(enabled, bool):
         raise ConfigError(f"mpi enabled must be a value in: [True, False]. Received: "
-                          f"enabled={_r(enabled)}.")
+                          f"enabled={short_repr(enabled, 200)}.")
     ppn = mpi.get("processes_per_host")
     if ppn is not None and (isinstance(ppn, bool) or not isinstance(ppn, int) or ppn < 1):
         raise ConfigError(f"processes_per_host must be a positive integer. Received: "
-                          f"processes_per_host={_r(ppn)}. Pass e.g. 'processes_per_host': 8 "
+                          f"processes_per_host={short_repr(ppn, 200)}. Pass e.g. 'processes_per_host': 8 "
                           "(one per GPU).")
     custom = mpi.get("custom_mpi_options", "")
     if not isinstance(custom, str):
         raise ConfigError(f"custom_mpi_options must be a str of mpirun flags. Received: "
-                          f"custom_mpi_options={_r(custom)}. Pass e.g. '-x NCCL_DEBUG=WARN'.")
+                          f"custom_mpi_options={short_repr(custom, 200)}. Pass e.g. '-x NCCL_DEBUG=WARN'.")
     return enabled, ppn, custom
 
 
@@ -212,18 +211,18 @@ def resolve_distribution(distribution: Mapping[str, Any] | None, *, instance_cou
     """
     dist: Mapping[str, Any] = {} if distribution is None else distribution
     if not isinstance(dist, Mapping):
-        raise ConfigError(f"distribution must be a dict. Received: distribution={_r(dist)}.")
+        raise ConfigError(f"distribution must be a dict. Received: distribution={short_repr(dist, 200)}.")
     _check_top_level(dist)
     validate_smdistributed(dist)
     _check_modelparallel_keys(dist)
     params = get_mp_parameters(dist)
     config = validate(params) if params is not None else None
-    enabled, ppn_given, custom = _mpi_options(dist)
+    enabled, ppn_given, custom = mpi_options_of(dist)
     if config is not None and not enabled:
         raise ConfigError(
             "modelparallel needs MPI: the library runs one process per pipeline stage under "
             "mpirun. Received: distribution['mpi'] = "
-            f"{_r(dist.get('mpi'))}. Add 'mpi': {{'enabled': True, 'processes_per_host': N}}.")
+            f"{short_repr(dist.get('mpi'), 200)}. Add 'mpi': {{'enabled': True, 'processes_per_host': N}}.")
     ppn = (ppn_given or max(resources.num_gpus, 1)) if enabled else 1
     warnings = []
     if config is not None:

@@ -6,8 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tfsmp.errors import ConfigError
-from tfsmp.launch.sagemaker.messages import _r
+from tfsmp.errors import ConfigError, short_repr
 
 __all__ = ["EFA_NCCL_INSTANCES", "EFA_RDMA_INSTANCES", "INSTANCE_RESOURCES", "Resources",
            "instance_resources"]
@@ -78,7 +77,7 @@ def instance_resources(instance_type: Any, *, local_gpus: int, local_cpus: int) 
     if not isinstance(instance_type, str) or not _ML_TYPE.match(instance_type):
         raise ConfigError(
             "instance_type must be 'local', 'local_gpu' or a SageMaker type such as "
-            f"'ml.p3.16xlarge'. Received: instance_type={_r(instance_type)}. The job runs on this "
+            f"'ml.p3.16xlarge'. Received: instance_type={short_repr(instance_type, 200)}. The job runs on this "
             "machine either way; an ml.* type sets what the job's environment reports.")
     if instance_type in INSTANCE_RESOURCES:
         gpus, cpus = INSTANCE_RESOURCES[instance_type]

@@ -21,7 +21,7 @@ def _mca_name(name: str) -> str:
     return "btl_sm_" + name[len("btl_vader_"):] if name.startswith("btl_vader_") else name
 
 
-def _groups(tokens: Sequence[str]) -> list[tuple[_Key | None, list[str]]]:
+def option_groups(tokens: Sequence[str]) -> list[tuple[_Key | None, list[str]]]:
     """Splits mpirun flags into settings: (key or None for an opaque token, its tokens)."""
     out: list[tuple[_Key | None, list[str]]] = []
     i = 0
@@ -52,7 +52,7 @@ def merge_mpi_options(builtin: Sequence[str], custom: Sequence[str]) -> list[str
     once advised) cannot produce Open MPI 4's "listed multiple times" failure, and a custom
     `-x NCCL_DEBUG=WARN` replaces the built-in one (Open MPI keeps the first `-x` of a name).
     """
-    groups = [*_groups(builtin), *_groups(custom)]
+    groups = [*option_groups(builtin), *option_groups(custom)]
     last = {key: i for i, (key, _) in enumerate(groups) if key is not None}
     merged: list[str] = []
     for i, (key, toks) in enumerate(groups):
@@ -61,7 +61,7 @@ def merge_mpi_options(builtin: Sequence[str], custom: Sequence[str]) -> list[str
     return merged
 
 
-def _parse_custom(custom: str) -> tuple[str, list[str]]:
+def parse_custom_options(custom: str) -> tuple[str, list[str]]:
     """The toolkit's `_parse_custom_mpi_options`: --NCCL_DEBUG replaces its default, rest verbatim."""
     tokens = shlex.split(custom)
     nccl_debug, rest, i = "INFO", [], 0

@@ -8,9 +8,9 @@ from typing import Any
 
 from tfsmp.config import parse_mp_parameters
 from tfsmp.errors import ConfigError
-from tfsmp.launch.sagemaker.distribution import _mpi_options, resolve_distribution
+from tfsmp.launch.sagemaker.distribution import mpi_options_of, resolve_distribution
 from tfsmp.launch.sagemaker.instances import Resources
-from tfsmp.launch.sagemaker.mpi_options import _parse_custom
+from tfsmp.launch.sagemaker.mpi_options import parse_custom_options
 
 __all__ = ["RunOptions", "run_options"]
 
@@ -42,7 +42,7 @@ def run_options(distribution: Mapping[str, Any] | str, *, np: int | None = None,
         ConfigError: The distribution is invalid, or -np is not a multiple of `partitions`.
     """
     dist = parse_mp_parameters(distribution)
-    _, ppn_given, _ = _mpi_options(dist)
+    _, ppn_given, _ = mpi_options_of(dist)
     ppn = np or ppn_given
     if ppn is None:
         raise ConfigError("the number of processes must be given. Received: no -np and no "
@@ -51,6 +51,6 @@ def run_options(distribution: Mapping[str, Any] | str, *, np: int | None = None,
     dist["mpi"] = {**dist.get("mpi", {}), "enabled": True, "processes_per_host": ppn}
     resolved = resolve_distribution(dist, instance_count=1,
                                     resources=resources or Resources("local", 0, ppn))
-    _, custom = _parse_custom(resolved.custom_mpi_options)
+    _, custom = parse_custom_options(resolved.custom_mpi_options)
     return RunOptions(resolved.processes_per_host, resolved.mp_parameters, custom,
                       resolved.warnings)
