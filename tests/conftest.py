@@ -1,4 +1,5 @@
-"""Shared pytest setup: markers, the repo root, Horovod/mpirun availability (no TF/MPI imports)."""
+"""Shared pytest setup: each directory's tier marker, the repo root, Horovod/mpirun availability
+(no TF/MPI imports). The markers are registered in pyproject.toml, and only there."""
 
 from __future__ import annotations
 
@@ -18,17 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # `import mpihelp` from any test directory.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MARKERS = {
-    "soak": "a long-running steadiness check (500 steps on 4 ranks)",
-    "mpi": "launches processes under mpirun (tier 3)",
-    "tf": "imports TensorFlow in-process (tier 2)",
-    "horovod": "needs a Horovod build (tfsmp install-horovod)",
-}
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    for name, text in MARKERS.items():
-        config.addinivalue_line("markers", f"{name}: {text}")
+# tests/<tier>/... -> the tier's marker (pyproject.toml describes each).
+TIERS = ("lint", "pure", "tf", "mpi", "multihost")
 
 
 def _mpirun() -> str | None:
@@ -40,6 +32,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     no_horovod = importlib.util.find_spec("horovod") is None
     no_mpirun = _mpirun() is None
     for item in items:
+        tier = Path(str(item.path)).relative_to(REPO_ROOT).parts[1:2]
+        if tier and tier[0] in TIERS:
+            item.add_marker(tier[0])
         if no_horovod and "horovod" in item.keywords:
             item.add_marker(pytest.mark.skip(
                 reason="Horovod is not installed: run `tfsmp install-horovod`"))

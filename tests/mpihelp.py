@@ -66,7 +66,7 @@ from tfsmp.launch.mpirun import (
 )
 
 __all__ = ["REPO_ROOT", "SCRIPTS", "MpiTimeout", "Result", "assert_ok", "base_env",
-           "run_cases", "run_mpi"]
+           "case_results", "run_cases", "run_mpi"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "tests" / "mpi" / "scripts"
@@ -293,3 +293,9 @@ def assert_ok(results: Mapping[str, Mapping[int, Mapping[str, Any]]],
               for case in chosen for rank, rec in sorted(results[case].items()) if not rec["ok"]]
     if errors:
         raise AssertionError("cases failed:\n" + "\n".join(errors))
+
+
+def case_results(results: Mapping[str, Mapping[int, Mapping[str, Any]]], case: str) -> list[Any]:
+    """What ``case`` returned on each rank, in rank order, once it is ok on every rank."""
+    assert_ok(results, [case])
+    return [rec["result"] for _, rec in sorted(results[case].items())]

@@ -12,14 +12,11 @@ shared by all keys), so their values are round-off noise (~1e-9) that differs wi
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.mpihelp import run_cases
+from tests.mpihelp import SCRIPTS, case_results, run_cases
 
 pytestmark = pytest.mark.mpi
-SCRIPTS = Path(__file__).parent / "scripts"
 CASES = ["case_bert_fit_equals_keras", "case_transformer_two_lengths",
          "case_predict_evaluate_new_length", "case_step_two_lengths"]
 REL, NOISE = 1e-4, 1e-7
@@ -30,13 +27,6 @@ def results() -> dict:
     return run_cases(2, SCRIPTS / "dynamic_cases.py", CASES, timeout=600)
 
 
-def _ok(results: dict, case: str) -> list[dict]:
-    per_rank = [results[case][r] for r in (0, 1)]
-    for r in per_rank:
-        assert r["ok"], r["error"]
-    return [r["result"] for r in per_rank]
-
-
 def _assert_weights_equal(errors: dict[str, list[float]]) -> None:
     assert errors
     bad = {path: (diff, scale) for path, (diff, scale) in errors.items()
@@ -45,7 +35,7 @@ def _assert_weights_equal(errors: dict[str, list[float]]) -> None:
 
 
 def test_bert_classifier_fit_equals_plain_keras(results: dict) -> None:
-    a, b = _ok(results, "case_bert_fit_equals_keras")
+    a, b = case_results(results, "case_bert_fit_equals_keras")
     assert a == b
     assert a["dynamic"]  # the cut really carries a tensor of run-time length
     _assert_weights_equal(a["errors"])
@@ -56,7 +46,7 @@ def test_transformer_trains_on_two_lengths_tracing_each_program_at_most_twice(re
     """Relaxed shapes ([Note: relaxed shapes] in stage.py): per Python-argument combination a
     program traces once for the first length and once, relaxed, at the second; no later length,
     new (16) or seen (12), traces again."""
-    a, b = _ok(results, "case_transformer_two_lengths")
+    a, b = case_results(results, "case_transformer_two_lengths")
     assert a["dynamic"]
     _assert_weights_equal(a["errors"])
     traces = {**a["traces_after_two_lengths"], **b["traces_after_two_lengths"]}
@@ -68,7 +58,7 @@ def test_transformer_trains_on_two_lengths_tracing_each_program_at_most_twice(re
 
 
 def test_predict_evaluate_and_call_at_new_lengths_equal_plain_keras(results: dict) -> None:
-    a, b = _ok(results, "case_predict_evaluate_new_length")
+    a, b = case_results(results, "case_predict_evaluate_new_length")
     _assert_weights_equal(a["errors"])
     for r in (a, b):
         assert r["10"]["shape"] == [8, 10, 40] and r["6"]["shape"] == [10, 6, 40]
@@ -78,7 +68,7 @@ def test_predict_evaluate_and_call_at_new_lengths_equal_plain_keras(results: dic
 
 
 def test_step_at_two_lengths_eager_and_in_a_tf_function_equals_plain_keras(results: dict) -> None:
-    for r in _ok(results, "case_step_two_lengths"):
+    for r in case_results(results, "case_step_two_lengths"):
         assert set(r) == {"eager8", "eager12", "graph12", "graph8"}
         for got in r.values():
             assert got["grad_err"] < 1e-6 and got["loss_err"] < 1e-5

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.mpihelp import SCRIPTS, run_cases
+from tests.mpihelp import SCRIPTS, case_results, run_cases
 
 pytestmark = pytest.mark.mpi
 CASES = [
@@ -35,20 +35,13 @@ def results() -> dict[str, Any]:
     return run_cases(2, SCRIPTS / "fit_parity_cases.py", CASES, timeout=420)
 
 
-def _ok(results: dict[str, Any], case: str) -> list[dict[str, Any]]:
-    per_rank = [results[case][r] for r in (0, 1)]
-    for r in per_rank:
-        assert r["ok"], r["error"]
-    return [r["result"] for r in per_rank]
-
-
 def _same_history(r: dict[str, Any]) -> None:
     assert r["keys"] == r["ref_keys"], (r["keys"], r["ref_keys"])
     assert all(r["same"].values()), r["values"]
 
 
 def test_validation_split_is_the_arrays_tail_as_in_keras(results: dict[str, Any]) -> None:
-    a, b = _ok(results, "case_validation_split")
+    a, b = case_results(results, "case_validation_split")
     for r in (a, b):
         _same_history(r)
         assert r["shuffled_val_is_tail"]  # shuffling never mixes the validation rows in
@@ -60,21 +53,21 @@ def test_validation_split_is_the_arrays_tail_as_in_keras(results: dict[str, Any]
 
 
 def test_class_weight_weighs_samples_as_keras_does(results: dict[str, Any]) -> None:
-    for r in _ok(results, "case_class_weight"):
+    for r in case_results(results, "case_class_weight"):
         _same_history(r)
         assert r["weights_same"] and r["onehot_same"]
         assert r["with_sample_weight"] == r["ref_with_sample_weight"]
 
 
 def test_per_output_losses_and_metrics_named_as_keras(results: dict[str, Any]) -> None:
-    a, b = _ok(results, "case_multi_output_dict")
+    a, b = case_results(results, "case_multi_output_dict")
     for r in (a, b):
         _same_history(r)
         assert {"cls_loss", "reg_loss", "val_cls_loss", "cls_accuracy", "reg_mae"} <= set(r["keys"])
         assert r["evaluate_same"], (r["evaluate"], r["ref_evaluate"])
         _same_history(r["evaluate_dict"])
     assert a["values"] == b["values"]  # every rank logs the same
-    for r in _ok(results, "case_multi_output_list"):
+    for r in case_results(results, "case_multi_output_list"):
         _same_history(r)
         assert {"cls_out_loss", "reg_out_loss"} <= set(r["keys"])
         mine, ref = r["train_on_batch"]
@@ -82,7 +75,7 @@ def test_per_output_losses_and_metrics_named_as_keras(results: dict[str, Any]) -
 
 
 def test_dropout_with_a_partial_last_batch_equals_keras_at_m1(results: dict[str, Any]) -> None:
-    for r in _ok(results, "case_dropout_partial_last_batch"):
+    for r in case_results(results, "case_dropout_partial_last_batch"):
         for mode in ("speed", "memory"):
             _same_history(r[mode])
             assert r[mode]["max_weight_err"] <= 1e-6, r[mode]
@@ -91,7 +84,7 @@ def test_dropout_with_a_partial_last_batch_equals_keras_at_m1(results: dict[str,
 def test_unseeded_permutation_fails_clearly_on_every_rank(results: dict[str, Any]) -> None:
     import re
 
-    for rank, r in enumerate(_ok(results, "case_unseeded_permutation_fit")):
+    for rank, r in enumerate(case_results(results, "case_unseeded_permutation_fit")):
         assert r["error"].startswith(f"StepError: [rank {rank} | pp_rank {rank}] ")
         assert re.search(SAME_BATCH.format(where="in the first batch of epoch 0",
                                            kind="the contents differ"), r["error"]), r["error"]
@@ -102,7 +95,7 @@ def test_unseeded_permutation_fails_clearly_on_every_rank(results: dict[str, Any
 def test_unseeded_dataset_and_batch_sizes_fail_clearly(results: dict[str, Any]) -> None:
     import re
 
-    for r in _ok(results, "case_unseeded_dataset_fit"):
+    for r in case_results(results, "case_unseeded_dataset_fit"):
         assert re.search(SAME_BATCH.format(where="at step 0 of epoch 0",
                                            kind="the contents differ"), r["error"]), r["error"]
         assert re.search(SAME_BATCH.format(where="at step 1 of epoch 0",
@@ -114,7 +107,7 @@ def test_unseeded_dataset_and_batch_sizes_fail_clearly(results: dict[str, Any]) 
 def test_step_inputs_checked_within_the_pipeline_only(results: dict[str, Any]) -> None:
     import re
 
-    for r in _ok(results, "case_step_inputs_differ"):
+    for r in case_results(results, "case_step_inputs_differ"):
         assert re.search(SAME_BATCH.format(where="in smp.step call 2", kind="the contents differ"),
                          r["error"]), r["error"]
         assert r["seconds"] < PROMPT
@@ -122,12 +115,12 @@ def test_step_inputs_checked_within_the_pipeline_only(results: dict[str, Any]) -
 
 
 def test_fit_replicas_split_one_global_batch(results: dict[str, Any]) -> None:
-    a, b = _ok(results, "case_fit_replicas_share_one_batch")
+    a, b = case_results(results, "case_fit_replicas_share_one_batch")
     assert a["loss"] == b["loss"]
     assert "got a different batch than rank 0 in the first batch of epoch 0" in a["error"]
 
 
 def test_batch_checksum_is_cheap(results: dict[str, Any]) -> None:
-    for r in _ok(results, "case_checksum_cost"):
+    for r in case_results(results, "case_checksum_cost"):
         # 256×28×28 float32 + labels: ~0.4 ms alone, a few ms on the loaded test machine
         assert r["ms_per_batch"] < 20.0 and r["ms_per_step_check"] < 40.0, r

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpihelp import run_cases, run_mpi
+from tests.mpihelp import SCRIPTS, case_results, run_cases, run_mpi
 from tfsmp.launch.output import TF_STARTUP
 
 pytestmark = pytest.mark.mpi
-SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [
     "case_fit_history_matches_keras", "case_callbacks_act_on_every_rank",
@@ -28,23 +27,16 @@ def results() -> dict:
     return run_cases(2, SCRIPTS / "keras_api_cases.py", CASES, timeout=420)
 
 
-def _ok(results: dict, case: str) -> list[dict]:
-    per_rank = [results[case][r] for r in (0, 1)]
-    for r in per_rank:
-        assert r["ok"], r["error"]
-    return [r["result"] for r in per_rank]
-
-
 def test_fit_history_equals_plain_keras(results: dict) -> None:
-    for r in _ok(results, "case_fit_history_matches_keras"):
+    for r in case_results(results, "case_fit_history_matches_keras"):
         assert r["keys"] == r["ref_keys"] == ["accuracy", "loss", "val_accuracy", "val_loss"]
         assert all(r["same"].values()), r["same"]
-    a, b = _ok(results, "case_fit_history_matches_keras")
+    a, b = case_results(results, "case_fit_history_matches_keras")
     assert a["loss"] == b["loss"]  # every rank has the same logs
 
 
 def test_callbacks_run_alike_on_every_rank(results: dict) -> None:
-    a, b = _ok(results, "case_callbacks_act_on_every_rank")
+    a, b = case_results(results, "case_callbacks_act_on_every_rank")
     assert a == b
     assert a["epochs_run"] == 2 and a["batches"] == 8  # EarlyStopping after patience 1
     assert a["lr"] == pytest.approx(0.025)              # LearningRateScheduler on every rank
@@ -52,25 +44,25 @@ def test_callbacks_run_alike_on_every_rank(results: dict) -> None:
 
 
 def test_evaluate_predict_and_call_equal_plain_keras(results: dict) -> None:
-    a, b = _ok(results, "case_evaluate_and_predict_match_keras")
+    a, b = case_results(results, "case_evaluate_and_predict_match_keras")
     assert a["eval_same"] and a["pred_same"] and a["call_same"]
     assert a["pred_sum"] == b["pred_sum"]  # outputs are returned on every rank
 
 
 def test_weights_gather_set_and_summary(results: dict) -> None:
-    a, b = _ok(results, "case_weights_roundtrip")
+    a, b = case_results(results, "case_weights_roundtrip")
     assert a["same"] and b["same"] and a["all_zero"] and b["all_zero"]
     assert a["summary_has_stage"]
     assert a["held"] != b["held"]  # each rank holds only its own stage
 
 
 def test_dataset_and_generator_inputs_equal_plain_keras(results: dict) -> None:
-    for r in _ok(results, "case_dataset_and_generator_inputs"):
+    for r in case_results(results, "case_dataset_and_generator_inputs"):
         assert r["dataset_same"] and r["generator_same"]
 
 
 def test_bad_batches_give_the_same_clear_error_on_every_rank(results: dict) -> None:
-    a, b = _ok(results, "case_bad_batches_fail_on_every_rank")
+    a, b = case_results(results, "case_bad_batches_fail_on_every_rank")
     for r in (a, b):
         # any batch size trains, as in Keras: microbatches of unequal sizes and a partial last
         # batch (their equality with plain Keras: tests/mpi/test_keras_semantics.py)
@@ -83,7 +75,7 @@ def test_bad_batches_give_the_same_clear_error_on_every_rank(results: dict) -> N
 
 
 def test_nonfinite_loss_raises_naming_microbatch_or_skips_everywhere(results: dict) -> None:
-    for r in _ok(results, "case_nonfinite_raise_and_skip"):
+    for r in case_results(results, "case_nonfinite_raise_and_skip"):
         # the NaN sits in microbatch 1; whether the loss is NaN too depends on the kernels'
         # ReLU (oneDNN maps NaN to 0), but stage 0's gradients are always named
         assert ("Non-finite values at step 1: loss of microbatch(es) [1]" in r["raised"]
@@ -94,7 +86,7 @@ def test_nonfinite_loss_raises_naming_microbatch_or_skips_everywhere(results: di
 
 
 def test_mixed_precision_policies_train_like_keras(results: dict) -> None:
-    for r in _ok(results, "case_mixed_precision"):
+    for r in case_results(results, "case_mixed_precision"):
         assert r["mixed_bfloat16"]["boundary_dtype"] == "bfloat16"
         assert r["mixed_float16"]["boundary_dtype"] == "float16"
         assert r["mixed_bfloat16"]["close"], r["mixed_bfloat16"]
@@ -102,7 +94,7 @@ def test_mixed_precision_policies_train_like_keras(results: dict) -> None:
 
 
 def test_profile_measures_layers_and_hooks_run_once_after_partitioning(results: dict) -> None:
-    a, b = _ok(results, "case_profile_and_post_partition_hook")
+    a, b = case_results(results, "case_profile_and_post_partition_hook")
     for r in (a, b):
         assert r["hook_calls"] == [r["own_variables"]]  # once, with the stage already taken
     assert a["measured_on_rank0"] is True  # world rank 0 plans, with measured times

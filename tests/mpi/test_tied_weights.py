@@ -7,15 +7,13 @@ tied LM at p=2 and p=4, ``2 groups`` for the shared Dense at p=4), so every test
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.mpihelp import run_cases
+from tests.mpihelp import SCRIPTS, case_results, run_cases
 
 pytestmark = pytest.mark.mpi
-SCRIPTS = Path(__file__).parent / "scripts"
 RANKS = 4
 TOL = 1e-4  # max |Δ| <= TOL * max |w|, per weight, after an epoch
 TRAIN = ["case_tied_lm_p4_adam", "case_tied_lm_p2_dp2_sgd", "case_shared_dense_p4_sgd",
@@ -30,13 +28,6 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = tmp_path_factory.mktemp("tied")
     return run_cases(RANKS, SCRIPTS / "tied_cases.py", CASES, timeout=900,
                      env={"TFSMP_TIED_DIR": str(folder)})
-
-
-def _ok(results: dict, case: str) -> list[dict[str, Any]]:
-    per_rank = [results[case][r] for r in range(RANKS)]
-    for r in per_rank:
-        assert r["ok"], r["error"]
-    return [r["result"] for r in per_rank]
 
 
 def _copies_agree(reports: list[dict[str, Any]], holders: int) -> None:
@@ -61,7 +52,7 @@ def _copies_agree(reports: list[dict[str, Any]], holders: int) -> None:
 ])
 def test_tied_copies_train_like_keras_and_stay_identical(results: dict, case: str,
                                                           copies: list, holders: int) -> None:
-    reports = _ok(results, case)
+    reports = case_results(results, case)
     for r in reports:
         assert r["err"] <= TOL, r
         assert r["copies"] == copies and r["finite"]
@@ -70,7 +61,7 @@ def test_tied_copies_train_like_keras_and_stay_identical(results: dict, case: st
 
 
 def test_a_dense_called_far_apart_trains_on_four_stages(results: dict) -> None:
-    reports = _ok(results, "case_shared_dense_p4_sgd")
+    reports = case_results(results, "case_shared_dense_p4_sgd")
     for r in reports:
         assert r["err"] <= TOL, r
         assert len(r["copies"][0]) == 2 and r["stage_of"]["shared"] == 0
@@ -78,7 +69,7 @@ def test_a_dense_called_far_apart_trains_on_four_stages(results: dict) -> None:
 
 
 def test_a_skipped_step_is_skipped_by_every_copy(results: dict) -> None:
-    reports = _ok(results, "case_nonfinite_skip_p2_dp2")
+    reports = case_results(results, "case_nonfinite_skip_p2_dp2")
     for r in reports:
         assert r["skipped"] == 1 and r["finite"]
         assert r["err"] <= TOL, r  # == plain Keras trained without the NaN batch
@@ -86,19 +77,19 @@ def test_a_skipped_step_is_skipped_by_every_copy(results: dict) -> None:
 
 
 def test_weights_api_sees_one_value_per_weight(results: dict) -> None:
-    reports = _ok(results, "case_weights_api_one_value_per_weight")
+    reports = case_results(results, "case_weights_api_one_value_per_weight")
     for r in reports:
         assert r["num"] == r["ref_num"] and r["equal"]
     _copies_agree(reports, 2)
 
 
 def test_checkpoint_writes_one_copy_and_restores_every_copy(results: dict) -> None:
-    saved = _ok(results, "case_checkpoint_save_p2")
+    saved = case_results(results, "case_checkpoint_save_p2")
     a = saved[0]
     assert a["copies"] == [[0, 1]]
     assert a["variables"] == sorted(a["ref_weights"])  # one entry per weight, none per copy
     assert a["slots"].count("emb/embeddings/momentum") == 1
-    restored = _ok(results, "case_checkpoint_restore_p4")  # another partition count
+    restored = case_results(results, "case_checkpoint_restore_p4")  # another partition count
     for r in restored:
         assert r["copies"] == [[0, 3]] and r["all_equal"]
         assert all(r["local_equal"].values())
@@ -110,7 +101,7 @@ def test_checkpoint_writes_one_copy_and_restores_every_copy(results: dict) -> No
 
 def test_gpt2_causal_lm_trains_like_keras_at_p2_and_p4(results: dict) -> None:
     for case, copies in zip(GPT2, ([[0, 1]], [[0, 3]])):
-        reports = _ok(results, case)
+        reports = case_results(results, case)
         for r in reports:
             assert r["copies"] == copies
             assert r["err"] <= TOL, r

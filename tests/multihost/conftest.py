@@ -15,10 +15,6 @@ from tests.multihost import netns
 HOSTS = ["algo-1", "algo-2"]
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "multihost: runs across emulated hosts (root, netns)")
-
-
 @pytest.fixture(scope="session")
 def hosts() -> Iterator[netns.Cluster]:
     """algo-1 (10.77.0.11) and algo-2 (10.77.0.12) on one bridge; removed after the session."""

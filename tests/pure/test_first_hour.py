@@ -1,6 +1,6 @@
 """A new user's first hour, without MPI: one line per setup error, the output filter, the job's end.
 
-Multi-rank launches of the same behaviour are in tests/mpi/test_first_hour.py.
+Multi-rank launches of the same behaviour are in tests/mpi/test_first_hour_ranks.py.
 """
 
 from __future__ import annotations

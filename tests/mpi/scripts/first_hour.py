@@ -1,4 +1,4 @@
-"""Scripts of a new user's first hour (tests/mpi/test_first_hour.py), chosen by argv[1].
+"""Scripts of a new user's first hour (tests/mpi/test_first_hour_ranks.py), chosen by argv[1].
 
 typo:   every rank calls init with a misspelt key.
 rank1:  only rank 1 does (rank 0's init is fine and waits for rank 1 in MPI).
