@@ -28,7 +28,9 @@ def test_every_golden_file_is_a_case_and_parses_and_validates() -> None:
     assert sorted(p.name for p in GOLDEN.glob("*.txt")) == sorted(c.filename for c in CASES)
     placements = {c.filename: c.placement for c in CASES}  # zb-v's V placement
     for path in GOLDEN.glob("*.txt"):
-        _, compute, lowered = path.read_text().replace("[lowered]", "[compute]").split("[compute]")
+        text = path.read_text().replace("[lowered]", "[compute]").replace("[forward only]", "[compute]")
+        _, compute, lowered, forward = text.split("[compute]")
+        assert forward.strip(), path.name
         validate(parse_schedule(compute), placement=placements[path.name])
         if "skip" not in path.name:
             validate(parse_schedule(lowered), placement=placements[path.name])

@@ -5,8 +5,9 @@ Regenerate after an intended change, then review the diff::
     python -m tfsmp.schedule.golden tests/golden/schedules
 
 Each file ``<pipeline>_p{p}_m{m}_v{v}[_<links>].txt`` holds a ``[compute]`` section (generator
-output) and a ``[lowered]`` section (chain links, or the named skip links; one REDUCE per stage),
-one line per rank in `format_schedule` form. ``tests/pure/test_schedule_golden.py`` compares.
+output), a ``[lowered]`` section (chain links, or the named skip links; one REDUCE per stage) and
+a ``[forward only]`` section (`forward_only`, what predict and evaluate run), one line per rank
+in `format_schedule` form. ``tests/pure/test_schedule_golden.py`` compares.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from tfsmp.schedule.actions import format_schedule
 from tfsmp.schedule.generators import generate
 from tfsmp.schedule.links import StageLinks
-from tfsmp.schedule.lowering import lower
+from tfsmp.schedule.lowering import forward_only, lower
 from tfsmp.schedule.placement import Placement
 
 __all__ = ["CASES", "REGENERATE", "GoldenCase", "golden_text", "main", "write_all"]
@@ -69,6 +70,8 @@ def golden_text(case: GoldenCase) -> str:
     links = _LINKS[case.links] if case.links else None
     placement = case.placement
     lowered = lower(compute, links, case.p, placement=placement)
+    forward = {rank: forward_only(links or StageLinks.chain(placement.num_stages), placement, rank,
+                                  case.m) for rank in range(case.p)}
     where = f", links={case.links}: {dict(links.forward)}" if links else ""
     if placement.kind != "interleaved":
         where += f"\n# placement {placement.kind}: {placement.describe()}"
@@ -76,7 +79,8 @@ def golden_text(case: GoldenCase) -> str:
             f"v={case.v} virtual stages{where}\n"
             f"# Regenerate: {REGENERATE}\n"
             f"[compute]\n{format_schedule(compute)}\n"
-            f"[lowered]\n{format_schedule(lowered)}\n")
+            f"[lowered]\n{format_schedule(lowered)}\n"
+            f"[forward only]\n{format_schedule(forward)}\n")
 
 
 def write_all(directory: str | Path) -> list[Path]:
