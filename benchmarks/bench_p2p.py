@@ -102,6 +102,7 @@ def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = N
     from tfsmp.runtime import executor as runtime_executor
     from tfsmp.runtime.hooks import StepMode
     from tfsmp.schedule.actions import Action, Op
+    from tfsmp.schedule.placement import Placement
 
     Executor = (executor_module or runtime_executor).Executor
     MicroBatch = (executor_module or runtime_executor).MicroBatch
@@ -121,15 +122,15 @@ def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = N
         def _post_receives(self) -> None:
             super()._post_receives()
             for i in range(k):
-                self.produced[(0, i)] = {0: payload}
-                self.grad_out[(1, i)] = {0: payload}
+                self.step_state.produced[(0, i)] = {0: payload}
+                self.step_state.grad_out[(1, i)] = {0: payload}
 
         def step(self) -> float:
             start = time.perf_counter()
             self.run([MicroBatch({}, size=1) for _ in range(k)], mode=StepMode(train=True))
             return time.perf_counter() - start
 
-    return TransferOnly(actions, {}, plan, group, 2, k)
+    return TransferOnly(actions, {}, plan, group, 2, k, placement=Placement(2, 2))
 
 
 def summarize(result: dict[str, Any]) -> list[str]:

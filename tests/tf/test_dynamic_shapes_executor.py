@@ -24,6 +24,7 @@ from tfsmp.runtime.dynamic_shapes import BoundaryShapes, ShapeResolver
 from tfsmp.runtime.executor import Executor, MicroBatch
 from tfsmp.runtime.hooks import StepMode
 from tfsmp.schedule.actions import Action, Op
+from tfsmp.schedule.placement import Placement
 from tfsmp.topology import Topology
 
 K = 2  # microbatches per step
@@ -125,7 +126,8 @@ class _DynamicTransfer(Executor):
         else:
             actions = [Action(1, Op.RECV_F, i, 0) for i in range(K)]
         self.lengths = _Lengths()
-        super().__init__(actions, {}, plan, group, 2, K, shapes=self.lengths)  # type: ignore[arg-type]
+        super().__init__(actions, {}, plan, group, 2, K, placement=Placement(2, 2),
+                         shapes=self.lengths)  # type: ignore[arg-type]
         self.got: dict[int, tf.Tensor] = {}
         self.sent_length: int | None = None  # what rank 0 really sends (None: its own length)
 
@@ -134,10 +136,10 @@ class _DynamicTransfer(Executor):
         if self.group.rank == 0:
             n = self.sent_length or self.lengths.length
             for i in range(K):
-                self.produced[(0, i)] = {0: tf.fill((1, n), float(10 * n + i))}
+                self.step_state.produced[(0, i)] = {0: tf.fill((1, n), float(10 * n + i))}
 
     def _recv_forward(self, a: Any) -> None:
-        _, ts = self._collect("RECV_F", a)
+        _, ts = self._collect(a)
         self.got[a.microbatch] = ts[0]
 
     def step(self, length: int) -> dict[int, tf.Tensor]:

@@ -21,6 +21,7 @@ from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime.executor import Executor, MicroBatch, aligned_empty, as_tensor
 from tfsmp.runtime.hooks import StepMode
 from tfsmp.schedule.actions import Action, Op
+from tfsmp.schedule.placement import Placement
 from tfsmp.topology import Topology
 
 K = 3  # microbatches per step
@@ -36,7 +37,7 @@ class _Transfer(Executor):
             actions = [Action(0, Op.SEND_F, i, 1) for i in range(K)]
         else:
             actions = [a for i in range(K) for a in (Action(1, Op.RECV_F, i, 0),)]
-        super().__init__(actions, {}, plan, group, 2, K)
+        super().__init__(actions, {}, plan, group, 2, K, placement=Placement(2, 2))
         self.dtype, self.width = dtype, width
         self.got: dict[int, tf.Tensor] = {}
         self.step_no = 0
@@ -49,10 +50,10 @@ class _Transfer(Executor):
         super()._post_receives()
         if self.group.rank == 0:
             for i in range(K):
-                self.produced[(0, i)] = {0: self.payload(i)}
+                self.step_state.produced[(0, i)] = {0: self.payload(i)}
 
     def _recv_forward(self, a: Any) -> None:
-        _, ts = self._collect("RECV_F", a)
+        _, ts = self._collect(a)
         self.got[a.microbatch] = ts[0]
 
     def step(self) -> dict[int, tf.Tensor]:

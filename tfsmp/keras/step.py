@@ -55,6 +55,7 @@ from tfsmp.errors import StepError
 from tfsmp.keras import porting
 from tfsmp.keras.data import check_step_inputs
 from tfsmp.keras.step_metrics import MetricSync, code_names
+from tfsmp.runtime.hooks import LastStage
 
 __all__ = ["StepOutput", "active_context", "step", "step_gradients"]
 
@@ -353,21 +354,21 @@ class _Step:
             self._model_ids = {id(v) for v in model.variables}
         metrics = MetricSync(self.fn, self._model_ids)
 
-        def head(i: int, prog: Any, stage_inputs: list[Any], recv: list[Any], mb: Any) -> Any:
+        def head(last: LastStage) -> Any:  # [Note: the head] in tfsmp/runtime/hooks.py
+            i = last.microbatch
             ctx = _Context(model, "run")
-            ctx.watch = prog.diff_recv(recv)
+            ctx.watch = last.differentiable
             ctx.metrics = metrics
 
             def run_call(*_: Any, training: Any = None, **__: Any) -> Any:
-                out = prog.evaluate(stage_inputs, recv, training=bool(training))
-                return traced.pack_outputs(out.outputs)
+                return traced.pack_outputs(last.forward(training=bool(training)).outputs)
 
             ctx.run_call = run_call
             with _activate(ctx, own_tape=own_tape):
                 out = self.fn(*parts[i][0], **parts[i][1])
             _check_used(ctx, self.fn)
             if self._trains:
-                prog.finish_head(i, stage_inputs, recv, ctx.watch_grads or [])
+                last.finish(ctx.watch_grads or [])
             results[i] = (out, _grad_list(ctx, out))
             return out
 

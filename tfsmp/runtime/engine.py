@@ -33,7 +33,7 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
@@ -57,15 +57,20 @@ from tfsmp.runtime.executor import (
     host_view,
 )
 from tfsmp.runtime.fused_step import OneCallStep
-from tfsmp.runtime.hooks import StageResult, StepMode
+from tfsmp.runtime.hooks import Head, StageResult, StepMode
 from tfsmp.runtime.objective import Objective
 from tfsmp.runtime.optimizer_options import OptimizerBridge
 from tfsmp.runtime.stage import StageProgram
 from tfsmp.runtime.ties import TiedCopies
 from tfsmp.runtime.view import RankView
-from tfsmp.schedule.actions import Action
-from tfsmp.schedule.lowering import forward_only
-from tfsmp.schedule.placement import Placement
+from tfsmp.schedule.actions import Action, Op
+from tfsmp.schedule.lowering import Lowered, forward_only
+
+if TYPE_CHECKING:
+    from tfsmp.comm.base import Comm
+    from tfsmp.config import Config
+    from tfsmp.graph.tracer import TracedModel
+    from tfsmp.timeline.events import Tracer
 
 __all__ = ["Engine", "StepShape"]
 
@@ -97,16 +102,16 @@ class Engine:
 
     def __init__(
         self,
-        traced: Any,
+        traced: TracedModel,
         plan: StagePlan,
-        schedules: Callable[[int], dict[int, list[Action]]],
+        schedules: Callable[[int], Lowered],
         *,
-        config: Any,
-        comm: Any,
+        config: Config,
+        comm: Comm,
         rank_tag: str,
         objective: Objective | None,
-        optimizer: Any,
-        tracer: Any = None,
+        optimizer: Any,  # a Keras optimizer, or None (an SMP script applies its own)
+        tracer: Tracer | None = None,
         horovod: HorovodReducer | None = None,
     ) -> None:
         self.traced = traced
@@ -120,14 +125,15 @@ class Engine:
         self.m = config.microbatches
         # [Note: dynamic boundaries] in tfsmp/runtime/dynamic_shapes.py; None: all static
         self.boundary_shapes = BoundaryShapes.for_plan(traced, plan)
-        # one owner of stage -> pipeline rank: s % p, or ZB-V's V (tfsmp/schedule/placement.py)
-        self.placement = Placement.for_pipeline(config.pipeline, self.num_ranks, config.chunks)
+        # stage -> pipeline rank (s % p, or ZB-V's V): the one the schedules were lowered for
+        lowered = schedules(self.m)
+        self.placement = lowered.placement
         self.stages = self.placement.stages(self.pipe_rank)
         self._schedules = schedules
-        self._actions: dict[int, list[Action]] = {self.m: schedules(self.m)[self.pipe_rank]}
+        self._actions: dict[int, list[Action]] = {self.m: lowered.actions[self.pipe_rank]}
         self._train_actions = self._actions[self.m]
         # [Note: split stages] in stage.py: a stage with W actions defers weight gradients to W
-        weighted = {a.stage for a in self._train_actions if a.op.value == "W"}
+        weighted = {a.stage for a in self._train_actions if a.op is Op.WEIGHT}
         self.objective = objective
         self.programs = {
             s: StageProgram(traced, plan, s, optimize=config.optimize, objective=objective,
@@ -272,14 +278,14 @@ class Engine:
         if actions is None:
             actions = self._idle_actions[shape.step_microbatches] = [
                 a for a in self._actions_for(shape.step_microbatches)
-                if a.op.value in ("REDUCE", "STEP")]
+                if a.op in (Op.REDUCE, Op.STEP)]
         ex = self._executor = self._executor_for(actions, 0)
         return ex.run([], mode=StepMode(train=True), hooks=self)
 
     def _actions_for(self, m: int) -> list[Action]:
         """This rank's lowered training actions for a step of ``m`` microbatches."""
         if m not in self._actions:
-            self._actions[m] = self._schedules(m)[self.pipe_rank]
+            self._actions[m] = self._schedules(m).actions[self.pipe_rank]
         return self._actions[m]
 
     def _prepare(self, x: Any, y: Any, sample_weight: Any, shape: StepShape) -> None:
@@ -371,7 +377,7 @@ class Engine:
                 f"once per batch (as BatchNormalization, docs/keras_semantics.md).",
                 stacklevel=4)
 
-    def run_step(self, inputs: list[dict[str, Any]], head: Callable[..., Any], train: bool = True
+    def run_step(self, inputs: list[dict[str, Any]], head: Head, train: bool = True
                  ) -> StepResult:
         """One `smp.step` call: ``inputs[i]`` are microbatch i's model inputs (by tensor key).
         The last stage runs ``head``; other stages keep per-microbatch weight gradients

@@ -2,8 +2,14 @@
 
 Example::
 
-    ex = Executor(actions, programs, plan, comm.pipeline, num_ranks=2, num_microbatches=4)
-    result = ex.run(microbatches, train=True, reduce=engine.reduce, step=engine.apply)
+    ex = Executor(lowered.actions[rank], programs, plan, comm.pipeline, 2, 4,
+                  placement=lowered.placement)
+    result = ex.run(microbatches, mode=StepMode(train=True), hooks=engine)
+
+[Note: plan and step] An executor holds what one schedule needs on every step: the actions, the
+programs, the message plan and the receive-buffer pool. What one step makes (received and
+produced tensors, posted receives, pending sends, the result) lives in a `_Step` made by `run`,
+so no step reads another's leftovers.
 
 [Note: pre-posted receives] Before the first action of a step, every receive of the step is
 posted (``Irecv`` into a fresh buffer) and every send is non-blocking. Large messages travel by
@@ -28,20 +34,23 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
 
-from tfsmp.comm.base import testall
+from tfsmp.comm.base import Group, Request, testall
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime import watchdog as wd
 from tfsmp.runtime.dynamic_shapes import BoundaryShapes, is_dynamic
-from tfsmp.runtime.hooks import StageResult, StepHooks, StepMode
+from tfsmp.runtime.hooks import Head, LastStage, StageResult, StepHooks, StepMode
 from tfsmp.runtime.stage import StageProgram, is_differentiable
-from tfsmp.schedule.actions import message_tag, tag_upper_bound
+from tfsmp.schedule.actions import Action, Op, message_tag, tag_upper_bound
 from tfsmp.schedule.placement import Placement
+
+if TYPE_CHECKING:
+    from tfsmp.timeline.events import Tracer
 
 __all__ = ["Executor", "MicroBatch", "StepResult"]
 
@@ -149,11 +158,24 @@ def held(buf: np.ndarray, extra: int = 0) -> bool:
     return _refcount(buf) > _UNHELD + extra
 
 
+_Key = tuple[Op, int, int, int]  # a receive: (RECV_F or RECV_B, stage, peer, microbatch)
+
+
+def _mb(a: Action) -> int:
+    """The microbatch of a per-microbatch action (the schedule's parser guarantees one)."""
+    return a.microbatch  # type: ignore[return-value]
+
+
+def _peer(a: Action) -> int:
+    """The peer stage of a send or receive (the schedule's parser guarantees one)."""
+    return a.peer  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class _Receive:
     """One receive action's messages, computed once per executor ([Note: message plan])."""
 
-    key: tuple[str, int, int, int]  # (op, stage, peer, microbatch), as in `Executor.posted`
+    key: _Key  # (receive op, stage, peer, microbatch), as in `_Step.posted`
     boundaries: list[Boundary]
     pool_keys: list[tuple[Any, ...]]
     tags: list[int]
@@ -167,9 +189,28 @@ class _Receive:
 class _Pending:
     boundaries: list[Boundary]
     buffers: list[np.ndarray]
-    requests: list[Any]
+    requests: list[Request]
     headers: list[tuple[Boundary, np.ndarray]] = field(default_factory=list)
-    header_requests: list[Any] = field(default_factory=list)
+    header_requests: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    """What one step makes ([Note: plan and step])."""
+
+    microbatches: list[MicroBatch]
+    mode: StepMode
+    hooks: StepHooks | None
+    head: Head | None
+    result: StepResult
+    mb_shapes: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
+    posted: dict[_Key, _Pending] = field(default_factory=dict)
+    mailbox: dict[_Key, list[tf.Tensor]] = field(default_factory=dict)
+    received: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
+    produced: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
+    grad_in: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
+    grad_out: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
+    sends: list[tuple[Request, np.ndarray]] = field(default_factory=list)
 
 
 _POOL_SHAPES = 4  # distinct shapes per message whose buffers a dynamic-shape executor keeps
@@ -180,32 +221,32 @@ class Executor:
 
     def __init__(
         self,
-        actions: list[Any],
+        actions: list[Action],
         programs: dict[int, StageProgram],
         plan: StagePlan,
-        group: Any,
+        group: Group,
         num_ranks: int,
         num_microbatches: int,
         *,
+        placement: Placement,
         stall_timeout: float = 600.0,
-        tracer: Any = None,
+        tracer: Tracer | None = None,
         rank_tag: str = "",
         shapes: BoundaryShapes | None = None,
-        placement: Placement | None = None,
     ) -> None:
         self.actions = actions
         self.programs = programs
         self.plan = plan
         self.group = group
         self.num_ranks = num_ranks
-        self.placement = placement or Placement(num_ranks, plan.num_stages)
+        self.placement = placement
         self.m = num_microbatches
         self.stall_timeout = stall_timeout
         self.tracer = tracer
         self.rank_tag = rank_tag
-        self.current: Any = None
+        self.current: Action | str | None = None  # what runs now (stall messages name it)
         self._pool: dict[tuple[Any, ...], np.ndarray] = {}  # [Note: receive buffers]
-        self.posted: dict[tuple[str, int, int, int], _Pending] = {}
+        self.step_state: _Step | None = None  # the running or last step ([Note: plan and step])
         self.watchdog = wd.for_process()  # None outside a multi-rank MPI job
         self._pairs: dict[tuple[int, int], list[Boundary]] = {}
         for b in plan.boundaries:
@@ -213,13 +254,12 @@ class Executor:
                 self._pairs.setdefault((b.producer, c), []).append(b)
         # [Note: dynamic boundaries]: None for a plan whose boundary shapes are all static
         self.shapes = shapes
-        self.mb_shapes: list[dict[int, tuple[int, ...]]] = []
         self._header_base = tag_upper_bound(
             max((b.index for b in plan.boundaries), default=-1) + 1, plan.num_stages, self.m)
         self._pool_limit = _POOL_SHAPES * sum(
-            len(self._pair(*((a.stage, a.peer) if a.op.value == "RECV_B" else (a.peer, a.stage)),
-                           a.op.value == "RECV_B"))
-            for a in actions if a.op.value in ("RECV_F", "RECV_B"))
+            len(self._pair(*((a.stage, _peer(a)) if a.op is Op.RECV_B else (_peer(a), a.stage)),
+                           a.op is Op.RECV_B))
+            for a in actions if a.op in (Op.RECV_F, Op.RECV_B))
         # [Note: message plan] Everything about a message that does not change between steps
         # (its boundaries, tags, peer rank, pool keys, numpy type, whether DLPack can alias it)
         # is computed once per executor; a step only picks buffers, posts and completes requests.
@@ -227,12 +267,12 @@ class Executor:
                           for b in plan.boundaries}
         self._dlpack = {i: d.kind in _DLPACK_KINDS for i, d in self._np_dtype.items()}
         self._receives: list[_Receive] | None = None  # on first use: subclasses may add actions
-        self._send_tags: dict[tuple[str, int, int, int], tuple[int, list[int]]] = {}
-        self._dispatch: dict[str, Callable[[Any], None]] = {
-            "F": self._forward, "B": self._backward, "W": self._weight,
-            "SEND_F": self._send_forward, "RECV_F": self._recv_forward,
-            "SEND_B": self._send_backward, "RECV_B": self._recv_backward,
-            "REDUCE": self._reduce, "STEP": self._step,
+        self._send_tags: dict[_Key, tuple[int, list[int]]] = {}
+        self._dispatch: dict[Op, Callable[[Action], None]] = {
+            Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.WEIGHT: self._weight,
+            Op.SEND_F: self._send_forward, Op.RECV_F: self._recv_forward,
+            Op.SEND_B: self._send_backward, Op.RECV_B: self._recv_backward,
+            Op.REDUCE: self._reduce, Op.STEP: self._apply,
         }
 
     # -- helpers -------------------------------------------------------------------------------
@@ -250,11 +290,16 @@ class Executor:
     def _tag(self, b: Boundary, consumer: int, mb: int, backward: bool) -> int:
         return message_tag(b.index, consumer, mb, backward, self.plan.num_stages, self.m)
 
+    @property
+    def _now(self) -> _Step:
+        """The running step."""
+        return self.step_state  # type: ignore[return-value]
+
     def _shape(self, b: Boundary, mb: int) -> tuple[int, ...]:
         """The full shape of boundary ``b`` in microbatch ``mb`` (batch axis first)."""
         if self.shapes is None:
-            return (self.mbs[mb].size, *b.shape)  # type: ignore[arg-type]
-        return self.mb_shapes[mb][b.index]
+            return (self._now.microbatches[mb].size, *b.shape)  # type: ignore[arg-type]
+        return self._now.mb_shapes[mb][b.index]
 
     def _buffer(self, key: tuple[Any, ...], b: Boundary, shape: tuple[int, ...]) -> np.ndarray:
         """The receive buffer of one message: the one it had last step unless that is taken.
@@ -285,7 +330,7 @@ class Executor:
             buf = self._pool[key] = aligned_empty(shape, dtype)
         return buf
 
-    def _wait(self, requests: list[Any], what: str) -> None:
+    def _wait(self, requests: list[Request], what: str) -> None:
         """Waits for requests, polling so that a stall is diagnosed instead of hanging.
 
         [Note: polling] The first 50 ms of a wait only yield the core between tests (no added
@@ -321,32 +366,20 @@ class Executor:
     # -- a step --------------------------------------------------------------------------------
 
     def run(self, microbatches: list[MicroBatch], *, mode: StepMode,
-            hooks: StepHooks | None = None,
-            head: Callable[..., Any] | None = None) -> StepResult:
+            hooks: StepHooks | None = None, head: Head | None = None) -> StepResult:
         """Runs the actions once as a step of kind ``mode``; a training step starts every
         program with it and calls ``hooks`` at REDUCE and STEP ([Note: one driver] in hooks.py).
-        ``head(i, program, inputs, recv, microbatch)``, if given, replaces the last stage's fused
-        loss (it must call `program.finish_head`) and its return value is kept in
-        ``result.outputs[i]``."""
-        if self.posted:  # the last step ended early: its receives may still be posted
+        ``head``, if given, runs each microbatch's last stage in place of its fused loss
+        ([Note: the head] in hooks.py); what it returns is kept in ``result.outputs[i]``."""
+        if self.step_state is not None and self.step_state.posted:  # ended early: still posted
             self._pool = {}
-        self.head = head
-        self.mbs = microbatches
-        self.train = mode.train
-        self.hooks = hooks
+        step = self.step_state = _Step(list(microbatches), mode, hooks, head,
+                                 StepResult(microbatches=list(microbatches)))
         if mode.train:
             for prog in self.programs.values():
                 prog.begin_step(mode)
         if self.shapes is not None:  # every rank alike, from the inputs, before any message
-            self.mb_shapes = self._resolve_shapes(microbatches)
-        self.result = StepResult(microbatches=list(microbatches))
-        self.posted = {}
-        self.mailbox: dict[tuple[str, int, int, int], list[tf.Tensor]] = {}
-        self.received: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
-        self.produced: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
-        self.grad_in: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
-        self.grad_out: dict[tuple[int, int], dict[int, tf.Tensor]] = {}
-        self.sends: list[tuple[Any, np.ndarray]] = []
+            step.mb_shapes = self._resolve_shapes(microbatches)
         dog = self.watchdog
         if dog is not None:
             dog.step_begin()
@@ -357,18 +390,18 @@ class Executor:
                 dog.update(action)
             if self.tracer is not None:
                 with self.tracer.event(str(action), action.op.value):
-                    self._dispatch[action.op.value](action)
+                    self._dispatch[action.op](action)
             else:
-                self._dispatch[action.op.value](action)
+                self._dispatch[action.op](action)
         self.current = "waiting for sends"
-        self._wait([r for r, _ in self.sends], "sends to complete")
-        self.sends.clear()
+        self._wait([r for r, _ in step.sends], "sends to complete")
+        step.sends.clear()
         if dog is not None:
             dog.step_end()
         if mode.train:  # stages without REDUCE or STEP actions (collect mode) report here
             for s in self.programs:
                 self._stage_result(s)
-        return self.result
+        return step.result
 
     def _resolve_shapes(self, microbatches: list[MicroBatch]) -> list[dict[int, tuple[int, ...]]]:
         try:
@@ -384,7 +417,7 @@ class Executor:
             buffers = [self._buffer(k, b, self._shape(b, r.microbatch))
                        for k, b in zip(r.pool_keys, r.boundaries)]
             reqs = [irecv(_wire(buf), r.src, tag) for buf, tag in zip(buffers, r.tags)]
-            pending = self.posted[r.key] = _Pending(r.boundaries, buffers, reqs)
+            pending = self._now.posted[r.key] = _Pending(r.boundaries, buffers, reqs)
             if dynamic and not r.backward:
                 self._post_headers(pending, r.src, r.consumer, r.microbatch)
 
@@ -392,17 +425,18 @@ class Executor:
         """The step's receives from other ranks, in schedule order ([Note: message plan])."""
         out = []
         for a in self.actions:
-            op = a.op.value
-            if op not in ("RECV_F", "RECV_B") or self._local(a.peer):
+            op = a.op
+            if op not in (Op.RECV_F, Op.RECV_B) or self._local(_peer(a)):
                 continue
-            backward = op == "RECV_B"
-            producer, consumer = (a.stage, a.peer) if backward else (a.peer, a.stage)
+            backward = op is Op.RECV_B
+            peer, mb = _peer(a), _mb(a)
+            producer, consumer = (a.stage, peer) if backward else (peer, a.stage)
             bs = self._pair(producer, consumer, backward)
             out.append(_Receive(
-                (op, a.stage, a.peer, a.microbatch), bs,
-                [(op, a.stage, a.peer, a.microbatch, b.index) for b in bs],
-                [self._tag(b, consumer, a.microbatch, backward) for b in bs],
-                self._rank(a.peer), consumer, a.microbatch, backward))
+                (op, a.stage, peer, mb), bs,
+                [(op.value, a.stage, peer, mb, b.index) for b in bs],
+                [self._tag(b, consumer, mb, backward) for b in bs],
+                self._rank(peer), consumer, mb, backward))
         return out
 
     def _post_headers(self, pending: _Pending, src: int, consumer: int, mb: int) -> None:
@@ -414,11 +448,11 @@ class Executor:
                 pending.header_requests.append(self.group.irecv(
                     header, src, self._header_base + self._tag(b, consumer, mb, False)))
 
-    def _check_headers(self, pending: _Pending, a: Any) -> None:
+    def _check_headers(self, pending: _Pending, a: Action) -> None:
         """The shapes the sender sent must be those this rank computed from its own batch."""
         self._wait(pending.header_requests, f"shapes of microbatch {a.microbatch} from stage {a.peer}")
         for b, header in pending.headers:
-            got, want = tuple(int(d) for d in header), self._shape(b, a.microbatch)
+            got, want = tuple(int(d) for d in header), self._shape(b, _mb(a))
             if got != want:
                 raise StepError(
                     f"{self.rank_tag} Every rank of a pipeline must see batches of the same "
@@ -426,19 +460,22 @@ class Executor:
                     f"{a.microbatch} with shape {got}; this rank's inputs give {want}. Feed every "
                     f"rank the same batches (same data, order and padding; seed any shuffling).")
 
-    def _transmit(self, kind: str, stage: int, peer: int, mb: int, bs: list[Boundary],
+    def _transmit(self, backward: bool, stage: int, peer: int, mb: int, bs: list[Boundary],
                   tensors: list[tf.Tensor], consumer: int) -> None:
+        """Sends ``tensors`` (activations, or gradients if ``backward``) from ``stage`` to the
+        receive of stage ``peer``: in memory when ``peer`` is on this rank."""
+        receive = Op.RECV_B if backward else Op.RECV_F  # the peer's action that takes them
         if self._local(peer):
-            self.mailbox[(kind, peer, stage, mb)] = tensors
+            self._now.mailbox[(receive, peer, stage, mb)] = tensors
             return
-        key = (kind, stage, peer, mb)
+        key = (receive, stage, peer, mb)
         plan = self._send_tags.get(key)  # [Note: message plan]
         if plan is None:
             plan = self._send_tags[key] = (self._rank(peer), [
-                self._tag(b, consumer, mb, kind == "RECV_B") for b in bs])
+                self._tag(b, consumer, mb, backward) for b in bs])
         dest, tags = plan
-        dynamic = self.shapes is not None and kind == "RECV_F"
-        isend, sends, dtypes = self.group.isend, self.sends, self._np_dtype
+        dynamic = self.shapes is not None and not backward
+        isend, sends, dtypes = self.group.isend, self._now.sends, self._np_dtype
         for b, t, tag in zip(bs, tensors, tags):
             if dynamic and is_dynamic(b.shape):
                 self._send_header(b, t, peer, mb, consumer)
@@ -458,103 +495,113 @@ class Executor:
         header = np.asarray(want, dtype=np.int64)
         req = self.group.isend(header, self._rank(peer),
                                self._header_base + self._tag(b, consumer, mb, False))
-        self.sends.append((req, header))
+        self._now.sends.append((req, header))
 
-    def _collect(self, kind: str, a: Any) -> tuple[list[Boundary], list[tf.Tensor]]:
-        if self._local(a.peer):
-            backward = kind == "RECV_B"
-            producer, consumer = (a.stage, a.peer) if backward else (a.peer, a.stage)
-            return self._pair(producer, consumer, backward), self.mailbox.pop((kind, a.stage, a.peer, a.microbatch))
-        pending = self.posted.pop((kind, a.stage, a.peer, a.microbatch))
+    def _collect(self, a: Action) -> tuple[list[Boundary], list[tf.Tensor]]:
+        """What the receive ``a`` (RECV_F or RECV_B) takes: its boundaries and tensors."""
+        peer, mb, backward = _peer(a), _mb(a), a.op is Op.RECV_B
+        key = (a.op, a.stage, peer, mb)
+        if self._local(peer):
+            producer, consumer = (a.stage, peer) if backward else (peer, a.stage)
+            return self._pair(producer, consumer, backward), self._now.mailbox.pop(key)
+        pending = self._now.posted.pop(key)
         if pending.header_requests:  # before the data, which a larger message would overrun
             self._check_headers(pending, a)
         if not testall(pending.requests):  # the message text only for a wait that waits
-            self._wait(pending.requests, f"{'gradients' if kind == 'RECV_B' else 'activations'} "
-                       f"of microbatch {a.microbatch} from stage {a.peer}")
+            self._wait(pending.requests, f"{'gradients' if backward else 'activations'} "
+                       f"of microbatch {mb} from stage {peer}")
         dlpack = self._dlpack  # pool buffers are aligned: `aligned_empty`
         return pending.boundaries, [_pool_tensor(buf, dlpack[b.index])
                                     for b, buf in zip(pending.boundaries, pending.buffers)]
 
     # -- handlers ------------------------------------------------------------------------------
 
-    def _recv_forward(self, a: Any) -> None:
-        bs, ts = self._collect("RECV_F", a)
-        self.received.setdefault((a.stage, a.microbatch), {}).update(
+    def _recv_forward(self, a: Action) -> None:
+        bs, ts = self._collect(a)
+        self._now.received.setdefault((a.stage, _mb(a)), {}).update(
             (b.index, t) for b, t in zip(bs, ts))
 
-    def _forward(self, a: Any) -> None:
+    def _forward(self, a: Action) -> None:
+        step, i = self._now, _mb(a)
         prog = self.programs[a.stage]
-        mb = self.mbs[a.microbatch]
+        mb = step.microbatches[i]
         inputs = [mb.inputs[k] for k in prog.input_keys]
-        got = self.received.pop((a.stage, a.microbatch), {})
+        got = step.received.pop((a.stage, i), {})
         recv = [got[b.index] for b in prog.recv]
-        if prog.is_last and self.head is not None:
-            self.result.outputs[a.microbatch] = self.head(a.microbatch, prog, inputs, recv, mb)
-            sends: list[tf.Tensor] = []
-        elif prog.is_last and self.train:
-            record, outputs = prog.forward_backward_last(a.microbatch, inputs, recv, mb.y,
-                                                         mb.sample_weight, mb.consts)
-            self.result.records[a.microbatch] = record
-            self.result.outputs[a.microbatch] = outputs
+        result, train = step.result, step.mode.train
+        sends: list[tf.Tensor]
+        if prog.is_last and step.head is not None:
+            result.outputs[i] = step.head(LastStage(prog, i, inputs, recv))
             sends = []
-        elif self.train:
-            sends = prog.forward(a.microbatch, inputs, recv, mb.consts)
-            self.result.max_held = max(self.result.max_held, prog.held_microbatches())
+        elif prog.is_last and train:
+            record, outputs = prog.forward_backward_last(i, inputs, recv, mb.y,
+                                                         mb.sample_weight, mb.consts)
+            result.records[i] = record
+            result.outputs[i] = outputs
+            sends = []
+        elif train:
+            sends = prog.forward(i, inputs, recv, mb.consts)
+            result.max_held = max(result.max_held, prog.held_microbatches())
         else:
             out = prog.evaluate(inputs, recv, consts=mb.consts)
             sends = out.sends
             if prog.is_last:
-                self.result.outputs[a.microbatch] = out.outputs
-            mine = self.result.layer_losses
-            mine[a.microbatch] = mine[a.microbatch] + out.layer_loss if a.microbatch in mine \
-                else out.layer_loss
-        self.produced[(a.stage, a.microbatch)] = {b.index: t for b, t in zip(prog.send, sends)}
+                result.outputs[i] = out.outputs
+            mine = result.layer_losses
+            mine[i] = mine[i] + out.layer_loss if i in mine else out.layer_loss
+        step.produced[(a.stage, i)] = {b.index: t for b, t in zip(prog.send, sends)}
 
-    def _send_forward(self, a: Any) -> None:
-        bs = self._pair(a.stage, a.peer, False)
-        out = self.produced[(a.stage, a.microbatch)]
-        self._transmit("RECV_F", a.stage, a.peer, a.microbatch, bs, [out[b.index] for b in bs], a.peer)
+    def _send_forward(self, a: Action) -> None:
+        peer, mb = _peer(a), _mb(a)
+        bs = self._pair(a.stage, peer, False)
+        out = self._now.produced[(a.stage, mb)]
+        self._transmit(False, a.stage, peer, mb, bs, [out[b.index] for b in bs], peer)
 
-    def _recv_backward(self, a: Any) -> None:
-        bs, ts = self._collect("RECV_B", a)
-        acc = self.grad_in.setdefault((a.stage, a.microbatch), {})
+    def _recv_backward(self, a: Action) -> None:
+        bs, ts = self._collect(a)
+        acc = self._now.grad_in.setdefault((a.stage, _mb(a)), {})
         for b, t in zip(bs, ts):
             acc[b.index] = acc[b.index] + t if b.index in acc else t
 
-    def _backward(self, a: Any) -> None:
+    def _backward(self, a: Action) -> None:
+        step, mb = self._now, _mb(a)
         prog = self.programs[a.stage]
-        self.produced.pop((a.stage, a.microbatch), None)
-        got = self.grad_in.pop((a.stage, a.microbatch), {})
+        step.produced.pop((a.stage, mb), None)
+        got = step.grad_in.pop((a.stage, mb), {})
         dys = [got[b.index] if b.index in got else
-               tf.zeros(self._shape(b, a.microbatch), dtype=tf.as_dtype(b.dtype))
+               tf.zeros(self._shape(b, mb), dtype=tf.as_dtype(b.dtype))
                for b in prog.send]
-        grads = prog.backward(a.microbatch, dys)
-        self.grad_out[(a.stage, a.microbatch)] = {b.index: g for b, g in zip(prog.recv, grads)}
+        grads = prog.backward(mb, dys)
+        step.grad_out[(a.stage, mb)] = {b.index: g for b, g in zip(prog.recv, grads)}
 
-    def _weight(self, a: Any) -> None:
+    def _weight(self, a: Action) -> None:
         """A zero-bubble schedule's W: the stage's deferred weight gradients ([Note: split
         stages] in tfsmp/runtime/stage.py)."""
-        if self.train:
-            self.programs[a.stage].weight(a.microbatch)
+        if self._now.mode.train:
+            self.programs[a.stage].weight(_mb(a))
 
-    def _send_backward(self, a: Any) -> None:
-        bs = self._pair(a.peer, a.stage, True)
-        out = self.grad_out[(a.stage, a.microbatch)]
-        self._transmit("RECV_B", a.stage, a.peer, a.microbatch, bs, [out[b.index] for b in bs], a.stage)
+    def _send_backward(self, a: Action) -> None:
+        peer, mb = _peer(a), _mb(a)
+        bs = self._pair(peer, a.stage, True)
+        out = self._now.grad_out[(a.stage, mb)]
+        self._transmit(True, a.stage, peer, mb, bs, [out[b.index] for b in bs], a.stage)
 
-    def _reduce(self, a: Any) -> None:
-        if self.hooks is not None and self.train:
-            self.hooks.reduce(a.stage, self._stage_result(a.stage))
+    def _reduce(self, a: Action) -> None:
+        step = self._now
+        if step.hooks is not None and step.mode.train:
+            step.hooks.reduce(a.stage, self._stage_result(a.stage))
 
     def _stage_result(self, stage: int) -> StageResult:
         """The stage's result, made once per step (at its REDUCE, or at STEP)."""
-        found = self.result.stages.get(stage)
+        stages = self._now.result.stages
+        found = stages.get(stage)
         if found is None:
-            found = self.result.stages[stage] = self.programs[stage].result()
+            found = stages[stage] = self.programs[stage].result()
         return found
 
-    def _step(self, a: Any) -> None:
-        if self.hooks is not None and self.train:
+    def _apply(self, a: Action) -> None:
+        step = self._now
+        if step.hooks is not None and step.mode.train:
             for s in self.programs:
                 self._stage_result(s)
-            self.hooks.apply(self.result)
+            step.hooks.apply(step.result)

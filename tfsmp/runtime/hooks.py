@@ -8,23 +8,39 @@ Example::
 
     executor.run(microbatches, mode=StepMode(train=True), hooks=engine)
 
+    def head(last: LastStage) -> Any:   # smp.step's last stage, one microbatch
+        out = last.forward(training=True)       # differentiable under the caller's tape
+        last.finish(grads_of(last.differentiable))
+        return out.outputs
+
+    executor.run(microbatches, mode=StepMode(train=True, collect=True), head=head)
+
 [Note: one driver] Only the executor calls a `StageProgram` during a step: it starts the step on
 every program with the step's `StepMode` (whether `smp.step` collects per-microbatch gradients),
 runs the actions, and hands each stage's `StageResult` to ``hooks.reduce`` at the stage's REDUCE
 action and the whole `StepResult` to ``hooks.apply`` at STEP. The engine reads and replaces
 gradients only through the result's `GradientState` ([Note: gradient state] in gradients.py),
 never through the programs' attributes.
+
+[Note: the head] `smp.step` runs the user's step body in place of the last stage's fused loss.
+It gets a `LastStage` for one microbatch: the stage's forward (differentiable under the body's
+tape) and a place for the gradients of the received tensors, and nothing else of the program.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from tfsmp.runtime.gradients import GradientState
+    import tensorflow as tf
 
-__all__ = ["StageResult", "StepHooks", "StepMode"]
+    from tfsmp.runtime.executor import StepResult
+    from tfsmp.runtime.gradients import GradientState
+    from tfsmp.runtime.stage import EvalOutput, StageProgram
+
+__all__ = ["Head", "LastStage", "StageResult", "StepHooks", "StepMode"]
 
 
 @dataclass(frozen=True)
@@ -52,5 +68,36 @@ class StepHooks(Protocol):
     def reduce(self, stage: int, result: StageResult) -> None:
         """Reduce ``stage``'s gradients over its data-parallel replicas (REDUCE)."""
 
-    def apply(self, result: Any) -> None:
+    def apply(self, result: StepResult) -> None:
         """Apply the step's gradients (STEP); ``result`` is the executor's `StepResult`."""
+
+
+class LastStage:
+    """The last stage of one microbatch, as a custom head sees it ([Note: the head])."""
+
+    def __init__(self, program: StageProgram, microbatch: int, inputs: list[tf.Tensor],
+                 received: list[tf.Tensor]) -> None:
+        self._program = program
+        self.microbatch = microbatch
+        self._inputs = inputs
+        self._received = received
+
+    @property
+    def differentiable(self) -> list[tf.Tensor]:
+        """The received tensors that carry gradients (floating point), in boundary order."""
+        return self._program.diff_recv(self._received)
+
+    def forward(self, training: bool) -> EvalOutput:
+        """The stage's forward on this microbatch, differentiable under a caller's tape."""
+        return self._program.evaluate(self._inputs, self._received, training=training)
+
+    def finish(self, grads: Sequence[tf.Tensor | None]) -> None:
+        """Keeps the gradients of `differentiable` (None: zero) for the stage's backward."""
+        self._program.finish_head(self.microbatch, self._inputs, self._received, list(grads))
+
+
+class Head(Protocol):
+    """A custom last stage: runs on each microbatch, returns what the step keeps as its
+    outputs (`StepResult.outputs`)."""
+
+    def __call__(self, last: LastStage) -> Any: ...

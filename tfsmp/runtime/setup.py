@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfsmp.errors import PartitionError
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.runtime.engine import Engine
 from tfsmp.runtime.objective import Objective
+from tfsmp.schedule.lowering import Lowered
 from tfsmp.schedule.placement import Placement
+
+if TYPE_CHECKING:
+    from tfsmp.config import Config
 
 __all__ = ["build_engine", "make_plan", "make_schedule"]
 
@@ -64,10 +68,10 @@ def _rows(sample_x: Any) -> int | None:
     return int(rows) if isinstance(rows, int) and rows > 0 else None
 
 
-def make_schedule(plan: StagePlan, config: Any, data_parallel: bool,
-                  microbatches: int | None = None) -> dict[int, list[Any]]:
+def make_schedule(plan: StagePlan, config: Config, placement: Placement, data_parallel: bool,
+                  microbatches: int | None = None) -> Lowered:
     """Every rank's lowered training actions for a step of ``microbatches`` (default: the
-    config's) microbatches."""
+    config's) microbatches, with the ``placement`` they were lowered for."""
     from tfsmp.schedule.generators import fuse_last_stage, generate
     from tfsmp.schedule.lowering import lower
 
@@ -75,9 +79,8 @@ def make_schedule(plan: StagePlan, config: Any, data_parallel: bool,
     compute = fuse_last_stage(generate(config.pipeline, config.partitions, m,
                                        virtual_stages=config.chunks,
                                        active_microbatches=config.active_microbatches))
-    placement = Placement.for_pipeline(config.pipeline, config.partitions, config.chunks)
-    return lower(compute, plan, config.partitions, data_parallel=data_parallel,
-                 placement=placement)
+    return Lowered(lower(compute, plan, config.partitions, data_parallel=data_parallel,
+                         placement=placement), placement)
 
 
 def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int]) -> None:
@@ -110,13 +113,14 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
         text = make_plan(traced, config, optimizer, manual, keep_ties=subclassed,
                          step_samples=_rows(sample_x)).to_json()
     plan = StagePlan.from_json(world.bcast_obj(text, root=0))
+    # the one placement of the job: stage -> pipeline rank (tfsmp/schedule/placement.py)
     placement = Placement.for_pipeline(config.pipeline, config.partitions, config.chunks)
     stages = placement.stages(state.comm.pipeline.rank)
     _take_own_stage(traced, plan, stages)
     data_parallel = state.comm.data.size > 1
 
-    def schedules(m: int) -> dict[int, list[Any]]:
-        return make_schedule(plan, config, data_parallel, microbatches=m)
+    def schedules(m: int) -> Lowered:
+        return make_schedule(plan, config, placement, data_parallel, microbatches=m)
 
     tracer = None
     if config.trace_dir:

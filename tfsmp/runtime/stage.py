@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 from keras.src.backend import get_keras_mask, set_keras_mask
@@ -55,6 +55,9 @@ from tfsmp.runtime import layer_losses as ll
 from tfsmp.runtime.gradients import CONCAT, SUM, GradientState
 from tfsmp.runtime.hooks import StageResult, StepMode
 from tfsmp.runtime.objective import Consts, Objective
+
+if TYPE_CHECKING:
+    from tfsmp.graph.tracer import TracedModel
 
 __all__ = ["EvalOutput", "StageProgram", "is_differentiable"]
 
@@ -116,7 +119,7 @@ class StageProgram:
 
     def __init__(
         self,
-        traced: Any,
+        traced: TracedModel,
         plan: StagePlan,
         stage: int,
         *,

@@ -33,6 +33,7 @@ from tfsmp.topology import Topology
 
 if TYPE_CHECKING:
     from tfsmp.comm.base import Comm, Group
+    from tfsmp.config import Config
     from tfsmp.graph.tracer import TracedModel
     from tfsmp.partitioning.plan import StagePlan
     from tfsmp.schedule.placement import Placement
@@ -123,7 +124,7 @@ class RankView:
         return tuple(seen.values())
 
     @classmethod
-    def build(cls, traced: TracedModel, plan: StagePlan, comm: Comm, config: Any,
+    def build(cls, traced: TracedModel, plan: StagePlan, comm: Comm, config: Config,
               placement: Placement) -> RankView:
         """The view of ``comm``'s rank; ``config`` gives the grid (partitions, placement
         strategy) and whether Horovod reduces gradients."""
@@ -150,7 +151,8 @@ class RankView:
             horovod=bool(config.horovod), traced=traced, plan=plan)
 
 
-def _stage_view(traced: Any, plan: Any, stage: int, keys: dict[int, str]) -> StageView:
+def _stage_view(traced: TracedModel, plan: StagePlan, stage: int, keys: dict[int, str]
+                ) -> StageView:
     """A stage's variables, split as its `StageProgram` splits them (same order)."""
     names = plan.layers(stage)
     owned = traced.variables_of(set(names))

@@ -36,12 +36,23 @@ optimizer once to the variables of all the rank's stages after waiting for their
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tfsmp.errors import ScheduleError
 from tfsmp.schedule.actions import Action, Op, Schedule
 from tfsmp.schedule.links import Links, as_links
 from tfsmp.schedule.placement import Placement
 
-__all__ = ["forward_only", "lower", "num_stages_of", "placement_of"]
+__all__ = ["Lowered", "forward_only", "lower", "num_stages_of", "placement_of"]
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """Every rank's lowered actions and the placement they were lowered for: what runs a
+    schedule needs both, so they travel together and no runner assumes a placement."""
+
+    actions: Schedule
+    placement: Placement
 
 
 def lower(compute: Schedule, plan: Links | None = None, num_ranks: int | None = None, *,

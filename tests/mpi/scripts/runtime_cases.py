@@ -216,7 +216,7 @@ def run_case(spec: str) -> dict[str, object]:
             # zero-bubble schedules: linear layers whose weight gradients ran in W actions, and
             # the most microbatches this rank held at once (forward until backward, or until W)
             "deferred": sum(len(p._deferred_layers or []) for p in engine.programs.values()),
-            "max_held": engine._executor.result.max_held}
+            "max_held": engine._executor.step_state.result.max_held}
 
 
 def main(specs: list[str]) -> None:
