@@ -28,13 +28,22 @@ def _mpirun() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("mpirun")
 
 
+def _tier(item: pytest.Item) -> str:
+    parts = Path(str(item.path)).resolve().relative_to(REPO_ROOT).parts
+    if len(parts) < 3 or parts[0] != "tests" or parts[1] not in TIERS:
+        raise pytest.UsageError(
+            f"Every test must live in a tier's directory, tests/<tier>/ with <tier> one of "
+            f"{', '.join(TIERS)}. Received: {item.nodeid}. Fix: move it into the directory of "
+            f"what it costs (README, \"Test tiers\").")
+    return parts[1]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     no_horovod = importlib.util.find_spec("horovod") is None
     no_mpirun = _mpirun() is None
     for item in items:
-        tier = Path(str(item.path)).relative_to(REPO_ROOT).parts[1:2]
-        if tier and tier[0] in TIERS:
-            item.add_marker(tier[0])
+        tier = _tier(item)
+        item.add_marker(tier)
         if no_horovod and "horovod" in item.keywords:
             item.add_marker(pytest.mark.skip(
                 reason="Horovod is not installed: run `tfsmp install-horovod`"))
