@@ -531,81 +531,69 @@ def _grad_list(ctx: _Context, out: Any) -> Any:
     return None
 
 
-def _walk(structure: Any) -> Iterator[Any]:
-    yield structure
-    if isinstance(structure, dict):
-        for v in structure.values():
-            yield from _walk(v)
-    elif isinstance(structure, (list, tuple)):
-        for v in structure:
-            yield from _walk(v)
+def _walk(structure: Any) -> list[Any]:
+    """Every node of ``structure``, containers included, parents first."""
+    nodes: list[Any] = []
+    keras.tree.traverse(nodes.append, structure)  # append returns None: go on into children
+    return nodes
 
 
 _GRADS = "__tfsmp_grads__"
 
 
+def _is_grads_mark(leaf: Any) -> bool:
+    return isinstance(leaf, str) and leaf == _GRADS
+
+
+def _marked(out: Any, grads: Any) -> Any:
+    """``out`` with the gradient list itself (by identity) replaced by the `_GRADS` mark."""
+    if grads is None:
+        return out
+    return keras.tree.traverse(lambda node: _GRADS if node is grads else None, out)
+
+
 def _template(out: Any, grads: Any) -> Any:
     """The returned structure with tensors as None and the gradient list as a marker."""
-    if grads is not None and out is grads:
-        return _GRADS
-    if isinstance(out, dict):
-        return {k: _template(v, grads) for k, v in out.items()}
-    if isinstance(out, (list, tuple)):
-        return type(out)(_template(v, grads) for v in out)
-    if out is None:
-        raise StepError("A step must return tensors. Received: None inside the returned value.")
-    return None
+    def leaf(value: Any) -> Any:
+        if _is_grads_mark(value):
+            return _GRADS
+        if value is None:
+            raise StepError("A step must return tensors. Received: None inside the returned value.")
+        return None
+
+    return keras.tree.map_structure(leaf, _marked(out, grads))
 
 
 def _flat_without(out: Any, grads: Any) -> list[Any]:
-    if grads is not None and out is grads:
-        return []
-    if isinstance(out, dict):
-        return [x for k in out for x in _flat_without(out[k], grads)]
-    if isinstance(out, (list, tuple)):
-        return [x for v in out for x in _flat_without(v, grads)]
-    return [out]
+    """The leaves of ``out`` but those of the gradient list, in `keras.tree` order."""
+    return [x for x in keras.tree.flatten(_marked(out, grads)) if not _is_grads_mark(x)]
 
 
 def _fill(template: Any, leaves: list[Any], grads: list[Any]) -> Any:
     it = iter(leaves)
+    return keras.tree.map_structure(
+        lambda t: list(grads) if _is_grads_mark(t) else next(it), template)
 
-    def fill(t: Any) -> Any:
-        if isinstance(t, str) and t == _GRADS:
-            return list(grads)
-        if isinstance(t, dict):
-            return {k: fill(v) for k, v in t.items()}
-        if isinstance(t, (list, tuple)):
-            return type(t)(fill(v) for v in t)
-        return next(it)
 
-    return fill(template)
+def _grads_path(template: Any) -> tuple[Any, ...] | None:
+    for path, leaf in keras.tree.flatten_with_path(template):
+        if _is_grads_mark(leaf):
+            return tuple(path)
+    return None
 
 
 def _has_grads(template: Any) -> bool:
-    if isinstance(template, str):
-        return template == _GRADS
-    if isinstance(template, dict):
-        return any(_has_grads(v) for v in template.values())
-    if isinstance(template, (list, tuple)):
-        return any(_has_grads(v) for v in template)
-    return False
+    return _grads_path(template) is not None
 
 
 def _grads_in(result: Any, template: Any) -> Any:
-    if isinstance(template, str) and template == _GRADS:
-        return result
-    if isinstance(template, dict):
-        for k, v in template.items():
-            found = _grads_in(result[k], v)
-            if found is not None:
-                return found
-    if isinstance(template, (list, tuple)):
-        for r, t in zip(result, template):
-            found = _grads_in(r, t)
-            if found is not None:
-                return found
-    return None
+    """What ``result`` (filled from ``template``) holds where the template marks the gradients."""
+    path = _grads_path(template)
+    if path is None:
+        return None
+    for key in path:
+        result = result[key]
+    return result
 
 
 def _to_step_outputs(per_mb: list[Any], m: int) -> Any:
