@@ -37,7 +37,10 @@ def rss_mb() -> float:
 def trace_counts(dm: tfsmp.DistributedModel) -> dict[str, int]:
     """Traces so far of every tf.function a training step runs on this rank."""
     engine = dm._engine
-    fns: dict[str, Any] = {"apply": engine._apply_fn, "metrics": dm._metrics_fn}
+    bridge = engine._bridge  # the optimizer step's functions (tfsmp/runtime/optimizer_options.py)
+    fns: dict[str, Any] = {"apply": getattr(bridge, "_apply_fn", None),
+                           "apply_deferred": getattr(bridge, "_deferred_fn", None),
+                           "metrics": dm._metrics_fn}
     for s, prog in engine.programs.items():
         for name in ("_fwd", "_bwd_recompute", "_fused", "_accumulate", "_fwd_split", "_weight"):
             fns[f"stage{s}{name}"] = getattr(prog, name)
