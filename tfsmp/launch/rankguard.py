@@ -23,19 +23,24 @@ import subprocess
 import sys
 from types import FrameType
 
+from tfsmp import relaunch
+
 __all__ = ["main", "message"]
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
+def _name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "unknown signal"
+
+
 def message(rank: str, signum: int, host: str, pid: int) -> str:
     """The line the guard prints for a rank killed by `signum`."""
-    try:
-        name = signal.Signals(signum).name
-    except ValueError:
-        name = "unknown signal"
-    return (f"[rank {rank}] killed by signal {signum} ({name}) on host {host} (pid {pid}); "
-            "the job ends\n")
+    return (f"[rank {rank}] killed by signal {signum} ({_name(signum)}) on host {host} "
+            f"(pid {pid}); the job ends\n")
 
 
 def main(argv: list[str]) -> int:
@@ -65,6 +70,9 @@ def main(argv: list[str]) -> int:
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "?"))
     sys.stderr.write(message(rank, -code, socket.gethostname(), child.pid))
     sys.stderr.flush()
+    # for a launcher that relaunches the job ([Note: restart records] in tfsmp/relaunch.py)
+    relaunch.record_failure(f"rank {rank}", f"killed by signal {-code} ({_name(-code)})",
+                            pid=child.pid, rank=rank)
     with contextlib.suppress(OSError, ValueError):  # SIGKILL's disposition cannot be set
         signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
