@@ -14,6 +14,8 @@ attempt (TFSMP_RESTART_COUNT unset or 0):
   --term R:S        rank R gets SIGTERM just before step S: the job must checkpoint after S
   --host-kill-file PATH:S  rank 0 creates PATH after step S and waits there (the test then kills
                     the other host)
+  --ready-file PATH:S  rank 0 creates PATH after step S; from then on every step takes 0.5 s
+                    longer (the test signals the launcher meanwhile)
 Rank 0 prints `FIRST {"epoch": e, "step": s}` (the first step this attempt runs) and at the end
 writes OUT_DIR/final.npz with every weight and optimizer variable, and prints `DONE {...}`.
 """
@@ -122,6 +124,11 @@ class Injector(keras.callbacks.Callback):  # type: ignore[misc]
         if host and _first_attempt() and _now["step"] == int(host[1]) and tfsmp.rank() == 0:
             open(host[0], "w").close()
             time.sleep(120)  # the test kills the other host; this job then ends
+        ready = _parse(ARGS.ready_file, 2)
+        if ready and _first_attempt() and _now["step"] >= int(ready[1]):
+            if tfsmp.rank() == 0 and _now["step"] == int(ready[1]):
+                open(ready[0], "w").close()
+            time.sleep(0.5)
 
 
 def _patch_saves() -> None:
@@ -170,6 +177,7 @@ def main() -> None:
     p.add_argument("--kill")
     p.add_argument("--term")
     p.add_argument("--host-kill-file")
+    p.add_argument("--ready-file")
     p.parse_args(namespace=ARGS)
     tfsmp.init()
     freq: str | int = ARGS.save_freq if ARGS.save_freq == "epoch" else int(ARGS.save_freq)
