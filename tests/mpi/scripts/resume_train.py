@@ -9,7 +9,8 @@ attempt (TFSMP_RESTART_COUNT unset or 0):
   --kill R:S:POINT  rank R SIGKILLs itself at step S; POINT is where:
                     begin  before the step starts (on_train_batch_begin)
                     mid    inside the forward pass of one of its layers, mid-pipeline
-                    save   while the first backup at or after step S is written (its weights file)
+                    save   while the first backup at or after step S is written (its weights file;
+                           with --backup tfsmp, its checkpoint's arrays)
                     meta   after that backup's weights file, writing training_metadata.json
   --term R:S        rank R gets SIGTERM just before step S: the job must checkpoint after S
   --host-kill-file PATH:S  rank 0 creates PATH after step S and waits there (the test then kills
@@ -35,6 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfsmp
+import tfsmp.checkpoint
 
 STEPS_PER_EPOCH = 8
 BATCH = 8
@@ -140,6 +142,19 @@ def _patch_saves() -> None:
 
     from tfsmp.checkpoint import export, keras_h5
 
+    if spec[2] == "save" and ARGS.backup == "tfsmp":  # a CheckpointManager save: its arrays
+        from tfsmp.checkpoint import format as fmt
+
+        write = fmt.write_array
+
+        def write_then_die(*args, **kwargs):  # type: ignore[no-untyped-def]
+            entry = write(*args, **kwargs)
+            if _now["step"] >= spec[1]:
+                _die("writing the backup checkpoint's arrays")
+            return entry
+
+        fmt.write_array = write_then_die
+        return
     if spec[2] == "save":
         put, send = keras_h5.WeightsWriter.put, export._send_mine
 
