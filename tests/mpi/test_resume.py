@@ -11,6 +11,7 @@ is deterministic). Each trial records its seed, the killed rank, the step and wh
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -50,8 +51,6 @@ def _final(out: Path) -> dict[str, np.ndarray]:
 
 def _firsts(res: Result) -> list[dict[str, int]]:
     """Where each attempt started (rank 0's FIRST lines, in order)."""
-    import json
-
     return [json.loads(line[6:]) for line in res.ranks.get(0, "").splitlines()
             if line.startswith("FIRST ")]
 
@@ -164,7 +163,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_a_new_launch_resumes(
     # back up after their current step and exit 75; the launcher does not relaunch (it is the
     # one being stopped). A new launch (the next attempt) resumes from that backup.
     ready = tmp_path / "ready"
-    cmd = [sys.executable, "-m", "tfsmp", "run", "-np", "2", "--config", _json(CONFIG), *RESTART,
+    cmd = [sys.executable, "-m", "tfsmp", "run", "-np", "2", "--config", json.dumps(CONFIG), *RESTART,
            str(SCRIPT), str(tmp_path), "--epochs", str(EPOCHS), "--ready-file", f"{ready}:4"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=base_env(), cwd=REPO_ROOT, start_new_session=True)
@@ -190,7 +189,40 @@ def test_sigterm_to_the_launcher_checkpoints_and_a_new_launch_resumes(
     assert not _differences(_final(tmp_path), reference)
 
 
-def _json(value: object) -> str:
-    import json
+@pytest.mark.timeout(2 * LAUNCH_BOUND + 60)
+def test_the_estimator_retries_a_killed_rank_and_resumes_from_the_checkpoint_folder(
+        tmp_path: Path, reference: dict[str, np.ndarray]) -> None:
+    # max_retry_attempts=1: rank 1 is SIGKILLed mid-step in the first attempt; the second
+    # attempt resumes from the backup Keras's BackupAndRestore wrote under /opt/ml/checkpoints,
+    # which is the job's checkpoint folder (checkpoint_s3_uri here), kept across attempts.
+    import warnings
 
-    return json.dumps(value)
+    from tfsmp.estimator import LOCAL_ROLE, TensorFlow
+
+    job_env = {k: v for k, v in base_env().items() if k.startswith(("TF_", "OMP", "OMPI_MCA"))}
+    s3 = tmp_path / "s3-checkpoints"
+    dist = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": CONFIG}},
+            "mpi": {"enabled": True, "processes_per_host": 2}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = TensorFlow(
+            entry_point="resume_train.py", source_dir=str(SCRIPTS), role=LOCAL_ROLE,
+            instance_count=1, instance_type="local", framework_version="2.21",
+            py_version="py311", distribution=dist, output_path=str(tmp_path / "jobs"),
+            hyperparameters={"out": str(tmp_path), "epochs": EPOCHS, "kill": "1:9:mid",
+                             "backup-dir": "/opt/ml/checkpoints/backup"},
+            environment=job_env, max_retry_attempts=1, checkpoint_s3_uri=f"file://{s3}")
+        est.fit(logs=False)
+    job = est.latest_training_job
+    assert job is not None and job.status == "Completed", est.logs()
+    log = " ".join(est.logs().split())
+    assert "tfsmp: training job" in log and "attempt 1 of 2" in log and "attempt 2 of 2" in log
+    assert re.search(r"tfsmp: attempt 1 of 2 failed: rank 1 on host \S+ failed after 1 step of "
+                     r"epoch 1: killed by signal 9 \(Killed\); retrying in 1 s "
+                     r"\(max_retry_attempts=1\)", log), est.logs()
+    assert job.describe()["RetryStrategy"] == {"MaximumRetryAttempts": 1}
+    assert job.describe()["Attempts"] == 2
+    firsts = [json.loads(m) for m in re.findall(r"FIRST (\{[^}]*\})", log)]
+    assert firsts == [{"epoch": 0, "step": 0}, {"epoch": 1, "step": 1}], est.logs()
+    assert not (s3 / "backup").exists()  # Keras deleted its backup when fit completed
+    assert not _differences(_final(tmp_path), reference)

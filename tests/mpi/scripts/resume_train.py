@@ -1,6 +1,6 @@
 """A tiny fit with a backup callback that a test interrupts; it must end where an uninterrupted run ends.
 
-Usage: resume_train.py OUT_DIR [--backup keras|tfsmp] [--save-freq N|epoch] [--epochs E]
+Usage: resume_train.py OUT_DIR (or --out OUT_DIR) [--backup keras|tfsmp] [--save-freq N|epoch] [--epochs E]
                        [--kill RANK:STEP:POINT] [--term RANK:STEP] [--host-kill-file PATH:STEP]
 
 The config arrives as SM_HP_MP_PARAMETERS (its `seed` makes the shuffles the same in every
@@ -185,7 +185,8 @@ def _patch_saves() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("out")
+    p.add_argument("out", nargs="?")
+    p.add_argument("--out", dest="out_option")  # as an estimator's hyperparameter
     p.add_argument("--backup", default="keras", choices=["keras", "tfsmp"])
     p.add_argument("--save-freq", default="3")
     p.add_argument("--epochs", type=int, default=3)
@@ -193,10 +194,12 @@ def main() -> None:
     p.add_argument("--term")
     p.add_argument("--host-kill-file")
     p.add_argument("--ready-file")
-    p.parse_args(namespace=ARGS)
+    p.add_argument("--backup-dir")  # default OUT_DIR/backup
+    p.parse_known_args(namespace=ARGS)  # an estimator adds --model_dir
+    ARGS.out = ARGS.out_option or ARGS.out
     tfsmp.init()
     freq: str | int = ARGS.save_freq if ARGS.save_freq == "epoch" else int(ARGS.save_freq)
-    backup_dir = os.path.join(ARGS.out, "backup")
+    backup_dir = ARGS.backup_dir or os.path.join(ARGS.out, "backup")
     backup = (keras.callbacks.BackupAndRestore(backup_dir, save_freq=freq)
               if ARGS.backup == "keras" else
               tfsmp.checkpoint.BackupAndRestore(backup_dir, save_freq=freq))
