@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ATTEMPT_ENV", "RELAUNCH_EXIT_CODE", "RESTART_DIR_ENV", "Attempt", "Failure",
-           "format_position", "publish_progress", "read_attempt", "record_failure"]
+           "format_position", "publish_progress", "read_attempt", "record_failure",
+           "record_rank_event"]
 
 RELAUNCH_EXIT_CODE = 75
 RESTART_DIR_ENV = "TFSMP_RESTART_DIR"
@@ -81,6 +82,28 @@ def record_failure(tag: str, cause: str, host: str | None = None, pid: int | Non
         path = os.path.join(directory, f"failure-{rank}-{pid}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    except Exception:
+        pass
+
+
+def record_rank_event(kind: str, rank: str, code: int | None = None) -> None:
+    """Records that rank ``rank`` started (``kind="start"``) or exited with ``code``
+    (``kind="exit"``); written by its guard (tfsmp.launch.rankguard), no-op without a launcher.
+
+    [Note: lost daemons] Open MPI 5's mpirun exits with status 0 when a whole remote host dies
+    (its daemon and ranks killed together): it prints "A daemon failed to report back after
+    being spawned ... Daemon exit status: 0" and nothing else (measured on emulated hosts). So
+    the launcher does not take mpirun's 0 alone as success: when every rank's guard recorded its
+    start, every rank must also have recorded an exit with status 0.
+    """
+    directory = _directory()
+    if directory is None:
+        return
+    try:
+        path = os.path.join(directory, f"{kind}-{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rank": rank, "code": code, "time": time.time()}, f)
         os.replace(path + ".tmp", path)
     except Exception:
         pass
@@ -141,6 +164,17 @@ class Attempt:
 
     failures: tuple[Failure, ...]
     positions: tuple[dict[str, Any], ...]
+    started: frozenset[int] = frozenset()
+    exits: tuple[tuple[int, int], ...] = ()  # (rank, exit status)
+
+    def unfinished(self, np: int) -> list[int] | None:
+        """Ranks that started but did not exit with status 0; None when not every rank's start
+        was recorded (the records are then not shared by every host, and cannot tell).
+        See [Note: lost daemons]."""
+        if self.started != frozenset(range(np)):
+            return None
+        ok = {rank for rank, code in self.exits if code == 0}
+        return sorted(self.started - ok)
 
     def first_failure(self) -> Failure | None:
         """The earliest failure: the one that ended the job (later ones follow from it)."""
@@ -165,6 +199,8 @@ def read_attempt(directory: str) -> Attempt:
     """Reads the records of one attempt (unreadable records are skipped)."""
     failures: list[Failure] = []
     positions: list[dict[str, Any]] = []
+    started: set[int] = set()
+    exits: list[tuple[int, int]] = []
     try:
         names = sorted(os.listdir(directory))
     except OSError:
@@ -184,4 +220,10 @@ def read_attempt(directory: str) -> Attempt:
                                     data.get("pid")))
         elif name.startswith("progress-"):
             positions.append(data)
-    return Attempt(tuple(failures), tuple(positions))
+        elif name.startswith(("start-", "exit-")) and name.endswith(".json"):
+            rank = _rank_number(data.get("rank"))
+            if rank is not None and name.startswith("start-"):
+                started.add(rank)
+            elif rank is not None:
+                exits.append((rank, int(data.get("code") or 0)))
+    return Attempt(tuple(failures), tuple(positions), frozenset(started), tuple(exits))

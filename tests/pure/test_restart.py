@@ -44,6 +44,10 @@ if plan.get("position"):
     relaunch.publish_progress(plan["position"])
 if plan.get("cause"):
     relaunch.record_failure("rank 1", plan["cause"], host="algo-2")
+for rank in plan.get("started", []):
+    relaunch.record_rank_event("start", str(rank))
+for rank in plan.get("exited", []):
+    relaunch.record_rank_event("exit", str(rank), 0)
 print("ARGV", json.dumps([sys.argv[1], *sys.argv[4:]]))
 sys.exit(plan["code"])
 """
@@ -185,3 +189,20 @@ def test_a_lost_host_is_dropped_and_the_job_relaunched_on_the_rest(tmp_path: Pat
     runs = [json.loads(line[5:]) for line in capfd.readouterr().out.splitlines()
             if line.startswith("ARGV ")]
     assert runs == [["4", "--host", "algo-1:2,algo-2:2"], ["2", "--host", "algo-1:2"]]
+
+
+def test_mpirun_exiting_0_after_losing_a_host_is_not_taken_for_success(tmp_path: Path) -> None:
+    # [Note: lost daemons] in tfsmp/relaunch.py: Open MPI 5 exits 0 when a whole host dies.
+    said: list[str] = []
+    lost = {"code": 0, "started": [0, 1, 2, 3], "exited": [], "position": AT_5}
+    plan = [lost, {"code": 0, "started": [0, 1], "exited": [0, 1]}]
+    argv = _fake_argv(tmp_path, plan, "--host", "algo-1:2,algo-2:2")
+    hosts = [HostSlots("algo-1", 2), HostSlots("algo-2", 2)]
+    code = _relauncher(argv, said, [], hosts=hosts, np=4, probe=lambda h: h.name == "algo-1").run()
+    assert code == 0
+    assert said == ["tfsmp run: restart 1 of 3 in 0.5 s: a rank failed after 5 steps of epoch 0: "
+                    "mpirun exited with status 0 but rank(s) [0, 1, 2, 3] never finished; host "
+                    "algo-2 lost (not reachable); relaunching on algo-1:2 with 2 ranks"]
+    said.clear()  # records that not every host shares (no start from some rank): mpirun decides
+    assert _relauncher(_fake_argv(tmp_path, [{"code": 0, "started": [0]}]), said, []).run() == 0
+    assert said == []

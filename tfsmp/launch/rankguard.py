@@ -54,6 +54,8 @@ def main(argv: list[str]) -> int:
                          "nothing. Fix: python -m tfsmp.launch.rankguard python -m mpi4py x.py\n")
         return 2
     child = subprocess.Popen(argv)
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "?"))
+    relaunch.record_rank_event("start", rank)  # [Note: lost daemons] in tfsmp/relaunch.py
     forwarded: list[int] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -63,11 +65,11 @@ def main(argv: list[str]) -> int:
     for signum in _FORWARDED:
         signal.signal(signum, forward)
     code = child.wait()
+    relaunch.record_rank_event("exit", rank, code)
     if code >= 0:
         return code
     if -code in forwarded:  # mpirun tearing the job down: not news, and not this rank's fault
         return 128 - code
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "?"))
     sys.stderr.write(message(rank, -code, socket.gethostname(), child.pid))
     sys.stderr.flush()
     # for a launcher that relaunches the job ([Note: restart records] in tfsmp/relaunch.py)

@@ -107,8 +107,9 @@ def describe(outcome: Outcome) -> str:
     failure = outcome.failure
     if failure is not None:
         who = f"rank {failure.rank}" if failure.rank is not None else "a rank"
+        who += f" on host {failure.host}" if failure.host not in ("", "?") else ""
         verb = "stopped" if outcome.preempted else "failed"
-        return f"{who} on host {failure.host} {verb} {where}: {failure.cause}{lost}"
+        return f"{who} {verb} {where}: {failure.cause}{lost}"
     if outcome.preempted:
         return f"the ranks stopped for a preemption {where} (exit code {outcome.code}){lost}"
     if outcome.lost_hosts:
@@ -208,9 +209,12 @@ class Relauncher:
             os.makedirs(attempt, exist_ok=True)
             code = self._mpirun(argv, {relaunch.RESTART_DIR_ENV: attempt,
                                        relaunch.ATTEMPT_ENV: str(restarts)})
-            if code == 0 or self.stopping:
+            records = relaunch.read_attempt(attempt)
+            unfinished = records.unfinished(self.np) if code == 0 else None
+            if (code == 0 and not unfinished) or self.stopping:
                 return code
-            outcome = self._outcome(code, attempt)
+            outcome = self._outcome(code, records, unfinished)
+            code = code or 1  # [Note: lost daemons] in tfsmp/relaunch.py: not a success
             if restarts >= self.max_restarts:
                 self.say(f"tfsmp run: not restarting ({restarts} of {self.max_restarts} restarts "
                          f"used): {describe(outcome)}")
@@ -236,10 +240,14 @@ class Relauncher:
             self.sleep(wait)
             previous = outcome
 
-    def _outcome(self, code: int, attempt: str) -> Outcome:
-        records = relaunch.read_attempt(attempt)
+    def _outcome(self, code: int, records: relaunch.Attempt, unfinished: list[int] | None
+                 ) -> Outcome:
         lost = tuple(self._lost_hosts()) if len(self.hosts) > 1 else ()
-        return Outcome(code, records.first_failure(), records.position(), lost)
+        failure = records.first_failure()
+        if failure is None and unfinished:
+            failure = relaunch.Failure(
+                None, "", f"mpirun exited with status 0 but rank(s) {unfinished} never finished")
+        return Outcome(code, failure, records.position(), lost)
 
     def _lost_hosts(self) -> list[str]:
         probe = self.probe
