@@ -206,3 +206,61 @@ def test_mpirun_exiting_0_after_losing_a_host_is_not_taken_for_success(tmp_path:
     said.clear()  # records that not every host shares (no start from some rank): mpirun decides
     assert _relauncher(_fake_argv(tmp_path, [{"code": 0, "started": [0]}]), said, []).run() == 0
     assert said == []
+
+
+# -- the estimator's max_retry_attempts ([Note: retry strategy] in tfsmp/estimator/retry.py) -----
+
+KILLED_LOG = ("[1,0]<stdout>: step\nprterun noticed that process rank 1 with PID 4242 on node "
+              "algo-1 exited on\nsignal 9 (Killed).\n")
+
+
+def _records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause: str | None = None
+             ) -> dict[str, str]:
+    from tfsmp.estimator.retry import attempt_env
+
+    env = attempt_env(str(tmp_path), 0)
+    monkeypatch.setenv(relaunch.RESTART_DIR_ENV, env[relaunch.RESTART_DIR_ENV])
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    relaunch.publish_progress(AT_5)
+    if cause:
+        relaunch.record_failure("rank 0", cause, host="algo-1")
+    return env
+
+
+def test_the_estimator_retries_a_killed_rank_and_a_preemption(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tfsmp.estimator.retry import decide
+
+    env = _records(tmp_path, monkeypatch)
+    d = decide(137, KILLED_LOG, env, 0, 2, None)
+    assert d.retry and d.wait == 1.0
+    assert d.line == ("tfsmp: attempt 1 of 3 failed: rank 1 on host algo-1 failed after 5 steps "
+                      "of epoch 0: killed by signal 9 (Killed); retrying in 1 s "
+                      "(max_retry_attempts=2)")
+    assert decide(75, "", env, 1, 2, None).retry  # ranks stopped for a preemption
+    assert not decide(137, KILLED_LOG, env, 2, 2, None).retry  # none left
+    again = decide(137, KILLED_LOG, env, 1, 2, d.outcome)
+    assert not again.retry and again.line.endswith("it failed the same way at the same point "
+                                                   "before, so it is not retried again")
+
+
+def test_the_estimator_does_not_retry_an_error_of_the_script(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tfsmp.estimator.retry import decide
+
+    env = _records(tmp_path, monkeypatch, cause="ValueError: boom on rank 0")
+    d = decide(1, "[1,0]<stderr>: Traceback ...\n", env, 0, 2, None)
+    assert not d.retry
+    assert d.line == ("tfsmp: attempt 1 of 3 failed: rank 0 on host algo-1 failed after 5 steps "
+                      "of epoch 0: ValueError: boom on rank 0; an error of the training script is "
+                      "not retried (SageMaker retries only when the infrastructure fails)")
+
+
+@pytest.mark.parametrize("value", [0, 31, True, "1", 1.0])
+def test_max_retry_attempts_is_an_integer_from_1_to_30(value: object) -> None:
+    from tfsmp.estimator.retry import check_retry_attempts
+
+    with pytest.raises(ConfigError, match=r"max_retry_attempts must be an integer from 1 to 30 "
+                                          r"\(SageMaker's RetryStrategy\)\. Received: "):
+        check_retry_attempts(value)
+    assert check_retry_attempts(None) == 0 and check_retry_attempts(30) == 30
