@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ATTEMPT_ENV", "RELAUNCH_EXIT_CODE", "RESTART_DIR_ENV", "Attempt", "Failure",
-           "format_position", "publish_progress", "read_attempt", "record_failure",
+           "enabled", "format_position", "publish_progress", "read_attempt", "record_failure",
            "record_rank_event"]
 
 RELAUNCH_EXIT_CODE = 75
@@ -51,9 +51,23 @@ _progress_fd: int | None = None
 _progress_path: str | None = None
 
 
+_seen_dirs: set[str] = set()
+
+
 def _directory() -> str | None:
     path = os.environ.get(RESTART_DIR_ENV)
-    return path if path and os.path.isdir(path) else None
+    if not path:
+        return None
+    if path not in _seen_dirs:  # checked once: this runs after every training step
+        if not os.path.isdir(path):
+            return None
+        _seen_dirs.add(path)
+    return path
+
+
+def enabled() -> bool:
+    """Whether a launcher that relaunches the job asked this process for records."""
+    return _directory() is not None
 
 
 def _rank() -> str:

@@ -153,7 +153,9 @@ class _Tail(keras.callbacks.Callback):  # type: ignore[misc]
         self._epoch = 0
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        self._listening = preemption.install()
+        # Listen only where a preemption can be honoured with a checkpoint, or a launcher will
+        # relaunch: elsewhere SIGTERM keeps its default meaning and steps pay nothing.
+        self._listening = _can_back_up(self.model, self._user) and preemption.install()
         for backup in self._backups:  # Keras's on_train_begin restored from it, if anything
             position = read_position(backup._weights_path)
             if position is not None:
@@ -174,6 +176,18 @@ class _Tail(keras.callbacks.Callback):  # type: ignore[misc]
             preemption.uninstall()
             self._listening = False
         setattr(self.model, _MODEL_ATTR, None)
+
+
+def _can_back_up(model: Any, callbacks: list[Any]) -> bool:
+    """Whether a preemption in this fit is worth listening for: a backup callback or a
+    `CheckpointManager` of the model exists, or a relaunching launcher runs the job."""
+    from tfsmp.checkpoint.callbacks import BackupAndRestore
+    from tfsmp.checkpoint.manager import CheckpointManager
+
+    if relaunch.enabled() or any(isinstance(c, (keras.callbacks.BackupAndRestore,
+                                                BackupAndRestore)) for c in callbacks):
+        return True
+    return bool(preemption.savers(lambda s: isinstance(s, CheckpointManager) and s.holds(model)))
 
 
 def _map_paths(backup: Any) -> None:
