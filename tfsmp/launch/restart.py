@@ -26,7 +26,7 @@ The script resumes from its own checkpoint (Keras's or tfsmp's `BackupAndRestore
   relaunched on the rest with the largest multiple of ``partitions`` ranks that fits — whole
   pipeline replicas, fewer of them — from the same checkpoint, which restores under any number
   of replicas (docs/checkpoints.md). ``fit``'s ``batch_size`` is the global batch, split over
-  the replicas, so it keeps its meaning ([Note: replicas] in docs/resume.md).
+  the replicas, so it keeps its meaning (docs/resume.md, "A lost host").
 
 Pure: imports neither TensorFlow nor mpi4py.
 """
