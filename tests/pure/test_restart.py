@@ -264,3 +264,15 @@ def test_max_retry_attempts_is_an_integer_from_1_to_30(value: object) -> None:
                                           r"\(SageMaker's RetryStrategy\)\. Received: "):
         check_retry_attempts(value)
     assert check_retry_attempts(None) == 0 and check_retry_attempts(30) == 30
+
+
+def test_tfsmp_run_with_restarts_guards_every_rank(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from tfsmp.launch import cli
+
+    for name in (relaunch.RESTART_DIR_ENV, relaunch.ATTEMPT_ENV):
+        monkeypatch.delenv(name, raising=False)  # prepare_environ sets them for the ranks
+    assert cli.main(["run", "-np", "2", "--max-restarts", "1", "--dry-run", "t.py"]) == 0
+    assert "-m tfsmp.launch.rankguard" in capsys.readouterr().out  # deaths by signal recorded
+    assert cli.main(["run", "-np", "2", "--dry-run", "t.py"]) == 0
+    assert "rankguard" not in capsys.readouterr().out  # without restarts: as before
