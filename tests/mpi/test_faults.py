@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.mpi.conftest import RESUME_CONFIG, RESUME_EPOCHS
 from tests.mpihelp import SCRIPTS, Result, base_env, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -213,26 +214,17 @@ BACKUP_KILLS = {
 }
 
 
-def _resume_job(out: Path, *args: str, restart: bool = True) -> Result:
-    config = {"partitions": 2, "microbatches": 2, "seed": 3}
-    flags = ["--max-restarts", "1", "--restart-backoff", "0.2"] if restart else []
-    return run_mpi(2, [*flags, SCRIPTS / "resume_train.py", out, "--epochs", "2", *args],
-                   config=config, launcher="tfsmp", timeout=LAUNCH_BOUND * 2)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    out = tmp_path_factory.mktemp("uninterrupted")
-    res = _resume_job(out, restart=False)
-    assert res.returncode == 0, res.describe()
-    with np.load(out / "final.npz") as f:
-        return {k: f[k] for k in f.files}
+def _resume_job(out: Path, *args: str) -> Result:
+    flags = ["--max-restarts", "1", "--restart-backoff", "0.2"]
+    return run_mpi(2, [*flags, SCRIPTS / "resume_train.py", out, "--epochs", str(RESUME_EPOCHS),
+                       *args], config=RESUME_CONFIG, launcher="tfsmp", timeout=LAUNCH_BOUND * 2)
 
 
 @pytest.mark.timeout(3 * LAUNCH_BOUND)
 @pytest.mark.parametrize("name", sorted(BACKUP_KILLS))
 def test_a_backup_killed_part_way_is_never_restored_wrongly(
-        name: str, tmp_path: Path, uninterrupted: dict[str, object]) -> None:
+        name: str, tmp_path: Path, resume_reference: dict[str, np.ndarray]) -> None:
+    uninterrupted = resume_reference  # tests/mpi/conftest.py
     backup, rank, step, resumes = BACKUP_KILLS[name]
     res = _resume_job(tmp_path, "--backup", backup, "--kill", f"{rank}:{step}:save")
     assert res.returncode == 0, res.describe()
@@ -244,7 +236,7 @@ def test_a_backup_killed_part_way_is_never_restored_wrongly(
     with np.load(tmp_path / "final.npz") as f:
         final = {k: f[k] for k in f.files}
     assert sorted(final) == sorted(uninterrupted)
-    assert all(np.array_equal(final[k], uninterrupted[k]) for k in final), name  # type: ignore[arg-type]
+    assert all(np.array_equal(final[k], uninterrupted[k]) for k in final), name
 
 
 def test_fault_cases_cover_the_issue() -> None:

@@ -25,13 +25,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.mpi.conftest import RESUME_CONFIG, RESUME_EPOCHS
 from tests.mpihelp import REPO_ROOT, SCRIPTS, Result, base_env, run_mpi
 
 pytestmark = pytest.mark.mpi
 
 SCRIPT = SCRIPTS / "resume_train.py"
-CONFIG = {"partitions": 2, "microbatches": 2, "seed": 3}
-EPOCHS, PER_EPOCH = 2, 8
+CONFIG = RESUME_CONFIG
+EPOCHS, PER_EPOCH = RESUME_EPOCHS, 8
 STEPS = EPOCHS * PER_EPOCH
 BACKUPS = [2, 5, 8, 11, 14]  # global steps after which save_freq=3 backs up (Keras counts on)
 POINTS = ["begin", "mid", "save", "meta"]  # where in the step the rank dies (resume_train.py)
@@ -61,13 +62,9 @@ def _differences(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> lis
     return [k for k in sorted(want) if not np.array_equal(got[k], want[k])]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
-    out = tmp_path_factory.mktemp("reference")
-    res = _job(out, restart=False)
-    assert res.returncode == 0, res.describe()
-    assert _firsts(res) == [{"epoch": 0, "step": 0}]
-    return _final(out)
+@pytest.fixture
+def reference(resume_reference: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return resume_reference  # tests/mpi/conftest.py: one uninterrupted run per session
 
 
 @dataclass(frozen=True)
@@ -156,6 +153,7 @@ def test_sigterm_mid_epoch_checkpoints_after_that_step_and_the_relaunch_resumes(
     assert not _differences(_final(tmp_path), reference)
 
 
+@pytest.mark.fault_trials  # a longer scenario: CI runs it (TFSMP_FAULT_TRIALS=1)
 @pytest.mark.timeout(2 * LAUNCH_BOUND + 60)
 def test_sigterm_to_the_launcher_checkpoints_and_a_new_launch_resumes(
         tmp_path: Path, reference: dict[str, np.ndarray]) -> None:
