@@ -109,7 +109,8 @@ def record_rank_event(kind: str, rank: str, code: int | None = None) -> None:
     (its daemon and ranks killed together): it prints "A daemon failed to report back after
     being spawned ... Daemon exit status: 0" and nothing else (measured on emulated hosts). So
     the launcher does not take mpirun's 0 alone as success: when every rank's guard recorded its
-    start, every rank must also have recorded an exit with status 0.
+    start, every rank must also have recorded an exit with status 0; when not (the records are
+    not on storage every host sees), the launcher probes the hosts (tfsmp/launch/restart.py).
     """
     directory = _directory()
     if directory is None:

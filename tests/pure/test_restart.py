@@ -203,7 +203,20 @@ def test_mpirun_exiting_0_after_losing_a_host_is_not_taken_for_success(tmp_path:
     assert said == ["tfsmp run: restart 1 of 3 in 0.5 s: a rank failed after 5 steps of epoch 0: "
                     "mpirun exited with status 0 but rank(s) [0, 1, 2, 3] never finished; host "
                     "algo-2 lost (not reachable); relaunching on algo-1:2 with 2 ranks"]
-    said.clear()  # records that not every host shares (no start from some rank): mpirun decides
+    said.clear()  # records that not every host shares (no start from some rank): the hosts
+    plan = [{"code": 0, "started": [0]}, {"code": 0, "started": [0]}]  # are probed, as mpirun's 0
+    probes: list[str] = []                                              # may hide a lost one
+
+    def probe(host: HostSlots) -> bool:
+        probes.append(host.name)
+        return len(probes) > 2 or host.name == "algo-1"
+
+    assert _relauncher(_fake_argv(tmp_path, plan, "--host", "algo-1:2,algo-2:2"), said, [],
+                       hosts=hosts, np=4, probe=probe).run() == 0
+    assert said == ["tfsmp run: restart 1 of 3 in 0.5 s: a rank failed before its first step: "
+                    "mpirun exited with status 0 after losing a host; host algo-2 lost (not "
+                    "reachable); relaunching on algo-1:2 with 2 ranks"]
+    said.clear()  # on one host, mpirun's 0 is trusted when the records cannot tell
     assert _relauncher(_fake_argv(tmp_path, [{"code": 0, "started": [0]}]), said, []).run() == 0
     assert said == []
 

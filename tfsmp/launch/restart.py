@@ -209,11 +209,14 @@ class Relauncher:
             os.makedirs(attempt, exist_ok=True)
             code = self._mpirun(argv, {relaunch.RESTART_DIR_ENV: attempt,
                                        relaunch.ATTEMPT_ENV: str(restarts)})
+            if self.stopping:
+                return code
             records = relaunch.read_attempt(attempt)
             unfinished = records.unfinished(self.np) if code == 0 else None
-            if (code == 0 and not unfinished) or self.stopping:
+            lost = self._lost(code, unfinished)
+            if code == 0 and not unfinished and not lost:
                 return code
-            outcome = self._outcome(code, records, unfinished)
+            outcome = self._outcome(code, records, unfinished, lost)
             code = code or 1  # [Note: lost daemons] in tfsmp/relaunch.py: not a success
             if restarts >= self.max_restarts:
                 self.say(f"tfsmp run: not restarting ({restarts} of {self.max_restarts} restarts "
@@ -240,13 +243,21 @@ class Relauncher:
             self.sleep(wait)
             previous = outcome
 
-    def _outcome(self, code: int, records: relaunch.Attempt, unfinished: list[int] | None
-                 ) -> Outcome:
-        lost = tuple(self._lost_hosts()) if len(self.hosts) > 1 else ()
+    def _lost(self, code: int, unfinished: list[int] | None) -> tuple[str, ...]:
+        """The hosts that no longer answer, probed after a failure across hosts — and after
+        mpirun's 0 when the records cannot tell whether every rank finished (not shared by
+        every host): mpirun says 0 when a whole host dies ([Note: lost daemons])."""
+        if len(self.hosts) < 2 or (code == 0 and unfinished == []):  # every rank finished
+            return ()
+        return tuple(self._lost_hosts())
+
+    def _outcome(self, code: int, records: relaunch.Attempt, unfinished: list[int] | None,
+                 lost: tuple[str, ...]) -> Outcome:
         failure = records.first_failure()
-        if failure is None and unfinished:
+        if failure is None and code == 0:
             failure = relaunch.Failure(
-                None, "", f"mpirun exited with status 0 but rank(s) {unfinished} never finished")
+                None, "", f"mpirun exited with status 0 but rank(s) {unfinished} never finished"
+                if unfinished else "mpirun exited with status 0 after losing a host")
         return Outcome(code, failure, records.position(), lost)
 
     def _lost_hosts(self) -> list[str]:
