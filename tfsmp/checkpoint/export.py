@@ -487,9 +487,14 @@ def _load_now(dm: Any, path: str, skip_mismatch: bool, exclude: frozenset[int] =
     notes: list[str] = []
     try:
         values, errors, skipped = _read_held(path, entries, layout, skip_mismatch)
-        if optimizer:
-            slots, notes = _read_optimizer(dm, path)
-            values += slots
+        if optimizer and not errors:
+            try:
+                slots, notes = _read_optimizer(dm, path)
+                values += slots
+            except CheckpointError as e:  # with skip_mismatch, the optimizer's state is skipped
+                if not skip_mismatch:
+                    raise
+                notes = [f"Skipped the optimizer's state while loading weights: {e}"]
     except Exception as e:  # every rank must learn of it before anyone assigns
         errors = [str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"]
     everyone = [e for part in world.allgather_obj(errors) for e in part]
