@@ -23,6 +23,8 @@ MARKERS = {
     "mpi": "launches processes under mpirun (tier 3)",
     "tf": "imports TensorFlow in-process (tier 2)",
     "horovod": "needs a Horovod build (tfsmp install-horovod)",
+    "fault_trials": "the 10 seeded random-kill trials of tests/mpi/test_resume.py (several "
+                    "minutes); they run when TFSMP_FAULT_TRIALS=1 (.ci/run sets it)",
 }
 
 
@@ -39,7 +41,12 @@ def _mpirun() -> str | None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     no_horovod = importlib.util.find_spec("horovod") is None
     no_mpirun = _mpirun() is None
+    no_trials = os.environ.get("TFSMP_FAULT_TRIALS") != "1"
     for item in items:
+        if no_trials and "fault_trials" in item.keywords:
+            item.add_marker(pytest.mark.skip(
+                reason="the 10 fault trials run with TFSMP_FAULT_TRIALS=1 (CI sets it); the "
+                       "default run has a 2-trial version"))
         if no_horovod and "horovod" in item.keywords:
             item.add_marker(pytest.mark.skip(
                 reason="Horovod is not installed: run `tfsmp install-horovod`"))

@@ -122,8 +122,9 @@ def resolve_sagemaker_path(path: str) -> str:
     import os
 
     norm = path.rstrip("/")
-    if norm == "/opt/ml/checkpoints" and os.environ.get("TFSMP_CHECKPOINT_DIR"):
-        return os.environ["TFSMP_CHECKPOINT_DIR"]
+    local = "/opt/ml/checkpoints"  # checkpoint_local_path's default: the folder kept across attempts
+    if (norm == local or norm.startswith(local + "/")) and os.environ.get("TFSMP_CHECKPOINT_DIR"):
+        return os.environ["TFSMP_CHECKPOINT_DIR"] + norm[len(local):]
     if norm == "/opt/ml/model" and os.environ.get("SM_MODEL_DIR"):
         return os.environ["SM_MODEL_DIR"]
     base = os.environ.get("SAGEMAKER_BASE_DIR")

@@ -181,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"tfsmp run: error: {e}", file=sys.stderr)
         return 2
+    from tfsmp.launch import restart  # [issue 21 hook] --max-restarts
+
+    restart.prepare_environ(args)
     user_env = dict(item.split("=", 1) if "=" in item else (item, None) for item in args.env or [])
     # Ranks on this host inherit the environment; the other hosts' ranks only get `-x` names.
     env = {**(forwarded_env(os.environ) if hosts else {}), **user_env}
@@ -189,14 +192,17 @@ def run(args: argparse.Namespace) -> int:
         hosts=[str(h) for h in hosts] if args.hosts else None, env=env,
         extra_mpi_args=[*dist_mpi_args, *shlex.split(args.mpi_args or "")],
         tag_output=args.tag_output, mpirun=find_mpirun(), network_interface=interface,
-        rank_guard=bool(hosts))
+        rank_guard=bool(hosts) or bool(getattr(args, "max_restarts", 0)))
     if args.dry_run:
         print(shlex.join(argv))
         return 0
     sys.stdout.flush()
     from tfsmp.launch.output import run_filtered, tf_logs_wanted
 
-    return run_filtered(argv, tf_logs=args.tf_logs or tf_logs_wanted())
+    tf_logs = args.tf_logs or tf_logs_wanted()
+    if getattr(args, "max_restarts", 0):  # [issue 21 hook] relaunch after a failure
+        return restart.run(args, argv, hosts, np, config_json, tf_logs=tf_logs)
+    return run_filtered(argv, tf_logs=tf_logs)
 
 
 def register(subparsers: Any) -> None:
@@ -227,6 +233,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tf-logs", action="store_true",
                    help="show TensorFlow's start-up log lines, which tfsmp run drops (also: env "
                         "TFSMP_TF_LOGS=1); see [Note: quiet start-up] in tfsmp/launch/output.py")
+    from tfsmp.launch.restart import add_arguments  # [issue 21 hook] --max-restarts ...
+
+    add_arguments(p)
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
