@@ -150,6 +150,7 @@ class Engine:
         self._executor: Executor | None = None  # the one that ran the last step
         self._executors: dict[tuple[int, int], Executor] = {}
         self._reducers: dict[tuple[Any, ...], _FusedReducer] = {}
+        self._sparse_union: dict[int, set[int]] = {}  # [Note: sparse agreement] in `reduce`
         self._eval_actions: dict[int, list[Action]] = {}
         self._step_shape = StepShape(0, (0,), 0, 0, 0, 0)  # the last training step's
         self._idle_actions: dict[int, list[Action]] = {}
@@ -601,16 +602,21 @@ class Engine:
             self._sync_statistics(stage)
         if self.dp_size == 1 or not prog.trainable:
             return
-        sparse = set(grads.sparse_indices())
-        # a variable is sparse on every replica or on none: the same graph, and zero rows
-        # still give an (empty) IndexedSlices; replicas without rows add their zeros densely
-        with _watched(f"the sparse gradients of stage {stage} (an allgather)"):
-            gathered = self.comm.data.allgather_obj(grads.host_sparse())
-        sparse |= {i for g in gathered for i in g}
-        if sparse:
-            grads.combine_replicas(
-                [{i: (tf.constant(v), tf.constant(x)) for i, (v, x) in g.items()} for g in gathered
-                 if g])
+        # [Note: sparse agreement] A variable is sparse on every replica or on none (one
+        # graph), except on a replica without rows in the batch, which has no parts. The first
+        # step's reduction therefore agrees on the set in one allgather; later steps gather
+        # sparse parts only for stages that have some, and reduce the rest densely at once.
+        known = self._sparse_union.get(stage)
+        sparse = set(grads.sparse_indices()) | (known or set())
+        if known is None or known:
+            with _watched(f"the sparse gradients of stage {stage} (an allgather)"):
+                gathered = self.comm.data.allgather_obj(grads.host_sparse())
+            sparse |= {i for g in gathered for i in g}
+            self._sparse_union[stage] = set(sparse)
+            if sparse:
+                grads.combine_replicas(
+                    [{i: (tf.constant(v), tf.constant(x)) for i, (v, x) in g.items()}
+                     for g in gathered if g])
         accs = [a for i, a in enumerate(grads.accumulators) if i not in sparse]
         if self._horovod is not None:
             summed = self._horovod.grouped_allreduce([a.value() for a in accs],
