@@ -25,3 +25,15 @@ def test_ruff_passes() -> None:
 def test_mypy_passes() -> None:
     proc = _run("mypy")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """The test directories are not packages, so pytest imports each test file by its basename:
+    two files of one name in different tiers stop collection of the whole suite."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, "test files share a basename: " + "; ".join(clashes)

@@ -1,6 +1,7 @@
 """A new user's first hour, without MPI: one line per setup error, the output filter, the job's end.
 
-Multi-rank launches of the same behaviour are in tests/mpi/test_first_hour.py.
+Multi-rank launches of the same behaviour are in tests/mpi/test_first_hour.py (this file has its
+own basename: pytest imports test files by basename, see test_lint.py).
 """
 
 from __future__ import annotations
