@@ -43,6 +43,7 @@ __all__ = [
     "find_controller",
     "format_size",
     "host_has_gpu",
+    "launch_setup",
     "main",
     "parse_size",
     "peak_bytes",
@@ -225,6 +226,24 @@ def reset_peak() -> bool:
     except OSError:
         return False
     return True
+
+
+# -- the launcher's side ------------------------------------------------------------------------
+
+
+def launch_setup(size: str | int, job: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """What `tfsmp run --memory-per-rank SIZE` adds to the mpirun line: the per-rank prefix
+    (empty on a GPU host, [Note: device caps]) and the variables every rank gets.
+
+    Raises:
+        ConfigError: a malformed size, or a CPU host where no memory cgroup can be made.
+    """
+    limit = parse_size(size)
+    env = {CAP_ENV: str(limit)}
+    if host_has_gpu():
+        return [], env
+    find_controller()
+    return rank_prefix(limit, job or f"tfsmp-{os.getpid()}"), env
 
 
 # -- the rank guard -----------------------------------------------------------------------------
