@@ -116,8 +116,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _memory_wanted(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "memory_per_rank", None) or getattr(args, "input_shape", None)
-                or getattr(args, "microbatches", None) or getattr(args, "pipeline", None))
+    return any(getattr(args, name, None) for name in (
+        "memory_per_rank", "input_shape", "microbatches", "pipeline", "baseline"))
 
 
 def _input_shapes(specs: list[str] | None) -> dict[str, tuple[int, ...]]:
@@ -159,7 +159,8 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
     settings = MemorySettings(
         partitions=args.partitions, microbatches=args.microbatches or 1,
         pipeline=args.pipeline or "interleaved", batch_size=args.batch_size or 1,
-        optimize=args.optimize, optimizer=optimizer)
+        optimize=args.optimize, optimizer=optimizer,
+        **({"baseline": parse_size(args.baseline)} if args.baseline else {}))
     plan = plan_graph(traced.graph, args.partitions * settings.virtual_stages,
                       optimize=args.optimize, memory_weight=args.memory_weight,
                       method=args.method, optimizer=optimizer, batch_size=args.batch_size or 1,
@@ -198,6 +199,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--input-shape", action="append", metavar="NAME=D1xD2",
                    help="per-sample shape of an input with unknown dimensions, e.g. "
                         "token_ids=1024 (repeatable); costs use it")
+    p.add_argument("--baseline", metavar="SIZE",
+                   help="a rank's memory before any model (imports, MPI), if not the 248 MiB "
+                        "measured with TensorFlow 2.21 on CPU (keras_hub adds about 45 MiB)")
     p.add_argument("--no-measure", action="store_true",
                    help="do not run the layers once to measure what they keep for backward "
                         "(estimate it from their outputs)")

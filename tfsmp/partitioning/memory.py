@@ -18,9 +18,9 @@ it holds at once during a step:
 
 - *baseline*: the process before any model (Python, TensorFlow, Keras, MPI: `BASELINE_BYTES`,
   measured here as a memory cgroup's usage), what running the first step adds besides tensors
-  (kernel and allocator caches, thread stacks: `RUNTIME_BYTES`) and the stage programs' graphs
-  (`OP_BYTES` per operation of the stages' forward graphs, counted by
-  `tfsmp.graph.costs.measure_activations`).
+  (kernel caches, thread stacks: `RUNTIME_BYTES`), the stage programs' graphs (`OP_BYTES` per
+  operation of the stages' forward graphs, counted by `tfsmp.graph.costs.measure_activations`)
+  and the pages TensorFlow's allocator keeps beyond its peak (`ALLOCATOR_SLACK` of it).
 - *weights*: the stages' variables, tied copies included; *optimizer state*: slots per
   trainable byte by optimizer (`tfsmp.graph.ir.OPTIMIZER_SLOTS`); *accumulators*: one per
   trainable variable, except where a stage updates its variables inside its backward ([Note:
@@ -54,23 +54,29 @@ stages, the microbatches between their B and W.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tfsmp.graph.ir import LayerGraph, optimizer_slots
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.partitioning.ties import copy_memory
 
 __all__ = [
+    "ALLOCATOR_SLACK",
     "BASELINE_BYTES",
+    "CAP_ENV",
     "OP_BYTES",
     "RUNTIME_BYTES",
     "MemorySettings",
     "RankMemory",
     "StageMemory",
+    "cap_from_environment",
     "fits",
     "group_bytes",
     "predict_memory",
+    "settings_of",
     "stage_counts",
     "stage_memory",
 ]
@@ -79,12 +85,15 @@ MiB = 2**20
 # A rank's memory cgroup usage after `import tensorflow, keras, tfsmp` and MPI's initialization,
 # before any model (measured on this project's machines, TF 2.21 CPU, 2026-12: 243-251 MiB).
 BASELINE_BYTES = 248 * MiB
-# What the first training step adds besides tensors and the programs' graphs: kernel and
-# allocator caches, thread stacks (measured: about 85 MiB on Dense stacks, GPT-2 and ResNet50).
-RUNTIME_BYTES = 86 * MiB
+# What the first training step adds besides tensors and the programs' graphs: kernel caches,
+# thread stacks (fitted with the next two to 10 measured ranks of Dense stacks, GPT-2, ResNet50).
+RUNTIME_BYTES = 15 * MiB
 # Host memory per TensorFlow operation of a stage's forward graph, for its traced programs
-# (forward, recomputing backward, optimizer step: measured 94-117 KiB on GPT-2 and ResNet50).
-OP_BYTES = 100 * 1024
+# (forward, recomputing backward, optimizer step).
+OP_BYTES = 117 * 1024
+# Pages TensorFlow's allocator holds beyond its peak of live tensors (fragmentation), as a
+# fraction of that peak.
+ALLOCATOR_SLACK = 0.06
 # Copies of a tied variable's gradient a rank holds while the copies' gradients are summed
 # across stages (pickled send, received copy, dense sum: [Note: tied reduction] in
 # tfsmp/runtime/ties.py).
@@ -247,11 +256,13 @@ def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], spl
     # the step, after the last backward: a step's model outputs are still held (last stage)
     step = walk.kept + (0 if direct else 2 * largest)
     ops = sum(m.ops for m in mine)
+    weights, optimizer = sum(m.weights for m in mine), int(sum(m.optimizer for m in mine))
+    accumulators = 0 if direct else sum(m.trainable for m in mine)
+    tensors = weights + optimizer + accumulators + max(peak, step)
     return RankMemory(
         rank=rank, stages=tuple(m.stage for m in mine),
-        baseline=s.baseline + s.runtime + int(OP_BYTES * ops),
-        weights=sum(m.weights for m in mine), optimizer=int(sum(m.optimizer for m in mine)),
-        accumulators=0 if direct else sum(m.trainable for m in mine),
+        baseline=s.baseline + s.runtime + int(OP_BYTES * ops + ALLOCATOR_SLACK * tensors),
+        weights=weights, optimizer=optimizer, accumulators=accumulators,
         buffers=int(buffers + TIE_GRADIENT_COPIES * sum(m.tied for m in mine)),
         activations=int(max(peak, step)), direct=direct, held=held)
 
@@ -317,6 +328,27 @@ class _ActivationWalk:
         return most, peak
 
 
+CAP_ENV = "TFSMP_MEMORY_PER_RANK"  # bytes, set by `tfsmp run --memory-per-rank`
+
+
+def cap_from_environment(environ: Mapping[str, str] | None = None) -> int | None:
+    """The rank's memory cap in bytes (``tfsmp run --memory-per-rank``), or None."""
+    value = (os.environ if environ is None else environ).get(CAP_ENV, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def settings_of(config: Any, optimizer: str | None, batch_size: int,
+                data_parallel: int = 1) -> MemorySettings:
+    """The `MemorySettings` of a `tfsmp.config.Config` (``batch_size``: samples per step of
+    one pipeline replica)."""
+    return MemorySettings(
+        partitions=config.partitions, microbatches=config.microbatches,
+        pipeline=config.pipeline, virtual_stages=config.chunks,
+        active_microbatches=config.active_microbatches, batch_size=max(batch_size, 1),
+        data_parallel=data_parallel, optimize=config.optimize, optimizer=optimizer,
+        nonfinite=config.nonfinite)
+
+
 def fits(ranks: Sequence[RankMemory], cap: float) -> bool:
     """Whether every rank's predicted peak is within ``cap`` bytes."""
     return all(r.total <= cap for r in ranks)
@@ -339,11 +371,11 @@ def stage_counts(settings: MemorySettings, num_stages: int) -> list[int]:
     for actions in compute.values():
         held: dict[int, set[int | None]] = {}
         for a in actions:
-            op = a.op.value
-            if op == "F" and a.stage != num_stages - 1:
-                held.setdefault(a.stage, set()).add(a.microbatch)
+            op, mine = a.op.value, held.setdefault(a.stage, set())
+            if (op == "F" and a.stage != num_stages - 1) or (op == "B" and a.stage in split):
+                mine.add(a.microbatch)  # until its B, or its W on a split stage
             elif op == ("W" if a.stage in split else "B"):
-                held.get(a.stage, set()).discard(a.microbatch)
+                mine.discard(a.microbatch)
             if a.stage < num_stages:
                 counts[a.stage] = max(counts[a.stage], len(held.get(a.stage, ())))
     return counts
