@@ -146,7 +146,7 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
     from tfsmp.graph import costs
     from tfsmp.graph.tracer import trace
     from tfsmp.launch.memcap import parse_size
-    from tfsmp.partitioning.memory import MemorySettings, predict_memory
+    from tfsmp.partitioning.memory import BASELINE_BYTES, MemorySettings, predict_memory
     from tfsmp.partitioning.memory_plan import what_fits
     from tfsmp.partitioning.planner import plan_graph
     from tfsmp.partitioning.report import format_memory
@@ -160,7 +160,7 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
         partitions=args.partitions, microbatches=args.microbatches or 1,
         pipeline=args.pipeline or "interleaved", batch_size=args.batch_size or 1,
         optimize=args.optimize, optimizer=optimizer,
-        **({"baseline": parse_size(args.baseline)} if args.baseline else {}))
+        baseline=parse_size(args.baseline) if args.baseline else BASELINE_BYTES)
     plan = plan_graph(traced.graph, args.partitions * settings.virtual_stages,
                       optimize=args.optimize, memory_weight=args.memory_weight,
                       method=args.method, optimizer=optimizer, batch_size=args.batch_size or 1,

@@ -63,21 +63,19 @@ def _ties_together(graph: Any, num_stages: int) -> Any:
     return together if len(groups) >= num_stages else graph
 
 
-def _cost_with_batch(traced: Any, sample_x: Any, config: Any) -> None:
+def _cost_with_batch(traced: Any, sample_x: Any) -> None:
     """Costs unknown dimensions with the first batch's shapes ([Note: unknown dimensions] in
-    tfsmp/graph/costs.py) and, when a memory plan must fit a cap, measures what each layer
-    keeps for backward on two of its rows ([Note: saved activations])."""
-    import tensorflow as tf
-
+    tfsmp/graph/costs.py). What layers keep for backward is not measured here: running layers
+    on world rank 0 before it takes its stage leaves pages in TensorFlow's allocator (measured:
+    more than 150 MiB for one Dense(4096) layer, which made a rank near its cap fail), so a
+    memory plan here counts layer outputs; `tfsmp plan --memory-per-rank ... --out plan.json`
+    measures them in a process of its own, and ``partition_file`` runs that plan."""
     from tfsmp.graph import costs
-    from tfsmp.partitioning.memory import cap_from_environment
 
     try:
         costs.resolve_dims(traced, costs.input_shapes(traced, sample_x))
     except Exception:  # only estimates: a batch the tracer cannot read keeps the traced ones
         return
-    if config.optimize == "memory" and config.memory_weight is None and cap_from_environment():
-        costs.measure_activations(traced, tf.nest.map_structure(lambda a: a[:2], sample_x))
 
 
 def _rows(sample_x: Any) -> int | None:
@@ -129,7 +127,7 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
     world = state.comm.world
     text = None
     if world.rank == 0:
-        _cost_with_batch(traced, sample_x, config)
+        _cost_with_batch(traced, sample_x)
         if profile_batch is not None:
             from tfsmp.graph.costs import profile
 
