@@ -9,9 +9,13 @@ searched upward from a start until a depth fails: the largest depth that trains 
 reported as a ratio to p x plain Keras's largest (goal: >= 0.95 p).
 
 Models: a stack of Dense(4096) layers (Adam, batch 8, 2.5 GiB per rank: 16.8M parameters per
-layer), and a GPT-style keras_hub causal LM (GPT2Backbone + tied LM head, Adam, batch 4,
-sequence 64, hidden 1024, 1.5 GiB per rank; depth = transformer blocks). Threads: one intra-op
-and two inter-op threads in every process (what a tfsmp rank runs with).
+layer), and a GPT-style causal LM, keras_hub's GPT2Backbone with a Dense LM head (Adam, batch 4,
+sequence 64, hidden 1024, vocabulary 8192, 1.5 GiB per rank; depth = transformer blocks).
+The head is not tied to the token embedding: with tied copies on the first and last stage, those
+ranks keep gradient accumulators for all their variables (the copies' gradients are summed
+across stages before the step) and host copies of the tied gradient during the sum, which
+[Note: direct update] does not cover yet. Threads: one intra-op and two inter-op threads in
+every process (what a tfsmp rank runs with).
 
 [Note: capacity search] A trial launches a whole job (10-60 s here), so the search starts where
 the answer should be (p times plain's largest for tfsmp) and steps one layer at a time. The
@@ -55,7 +59,36 @@ def run(quick: bool) -> dict[str, Any]:
         if only and name not in only.split(","):
             continue
         out["rows"].append(_model_rows(name, args))
+    if not only or "checkpoint" in only.split(","):
+        out["checkpoint"] = checkpoints(CHECKPOINT)
     return out
+
+
+# [Note: checkpoints under the cap] The 32-layer stack (537M parameters, 2 GiB of weights, 8 GiB
+# with Adam's slots) trained at p = 4 under 2.5 GiB per rank: one job trains a step, saves a
+# checkpoint (`CheckpointManager`), exports a plain `.keras` file and a `.weights.h5`; a second
+# job restores the checkpoint into a fresh model before its first step and trains one more.
+# Each reports its ranks' cgroup peaks; a rank holding the whole model, or its stages twice,
+# would be killed.
+CHECKPOINT = {"model": "dense", "p": 4, "depth": 32, "steps": 1, "microbatches": 1}
+
+
+def checkpoints(spec: dict[str, Any]) -> dict[str, Any]:
+    """[Note: checkpoints under the cap]: save and export, then restore, in two capped jobs."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="tfsmp-bench-ckpt-", dir=os.environ.get("TMPDIR"))
+    cap = MODELS[spec["model"]]["cap"]
+    env = {"TF_NUM_INTEROP_THREADS": "2"}
+    try:
+        saved = launch(spec["p"], "bench_memory_cap", "save_job", {**spec, "dir": folder},
+                       timeout=1800, memory_per_rank=cap, env=env)
+        restored = launch(spec["p"], "bench_memory_cap", "restore_job", {**spec, "dir": folder},
+                          timeout=1800, memory_per_rank=cap, env=env)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {**spec, "cap": cap, "save": saved, "restore": restored}
 
 
 def _model_rows(name: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -142,7 +175,11 @@ def _build(name: str, depth: int) -> Any:
             vocabulary_size=m["vocab"], num_layers=depth, num_heads=m["heads"],
             hidden_dim=m["hidden"], intermediate_dim=m["ffn"], max_sequence_length=m["seq"],
             dropout=0.0)
-    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        inputs = {"token_ids": keras.Input((None,), dtype="int32", name="token_ids"),
+                  "padding_mask": keras.Input((None,), dtype="int32", name="padding_mask")}
+        # an untied head: tied copies keep accumulators (see the module docstring)
+        logits = keras.layers.Dense(m["vocab"], name="lm_head")(backbone(inputs))
+        return keras.Model(inputs, logits, name="gpt")
 
 
 def _data(name: str, rows: int) -> tuple[Any, Any, Any]:
@@ -157,7 +194,7 @@ def _data(name: str, rows: int) -> tuple[Any, Any, Any]:
         return x, y, "mse"
     ids = np.random.default_rng(0).integers(1, m["vocab"], size=(rows, m["seq"] + 1))
     x = {"token_ids": ids[:, :-1].astype("int32"),
-         "padding_mask": np.ones((rows, m["seq"]), dtype="bool")}
+         "padding_mask": np.ones((rows, m["seq"]), dtype="int32")}
     return x, ids[:, 1:].astype("int32"), keras.losses.SparseCategoricalCrossentropy(
         from_logits=True)
 
@@ -190,6 +227,57 @@ def trial(args: dict[str, Any]) -> dict[str, Any]:
     return {"peaks": peaks} if peaks is not None else {}
 
 
+def _ckpt_model(args: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    from benchmarks import tfhelp
+
+    tfhelp.setup_threads()
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    smp = tfhelp.reinit({"partitions": args["p"], "microbatches": args["microbatches"],
+                         "optimize": "memory"})
+    name = args["model"]
+    x, y, loss = _data(name, MODELS[name]["batch"] * args["steps"])
+    model = smp.DistributedModel(_build(name, args["depth"]))
+    model.compile(optimizer="adam", loss=loss)
+    manager = smp.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=model.optimizer),
+                                    directory=os.path.join(args["dir"], "ckpt"))
+    return smp, model, manager, (x, y)
+
+
+def save_job(args: dict[str, Any]) -> dict[str, Any]:
+    """Every rank: train, save a checkpoint, export .keras and .weights.h5; cgroup peaks."""
+    from benchmarks import tfhelp
+    from tfsmp.launch.memcap import peak_bytes
+
+    _, model, manager, (x, y) = _ckpt_model(args)
+    batch = MODELS[args["model"]]["batch"]
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    trained = peak_bytes() or 0
+    manager.save()
+    saved = peak_bytes() or 0
+    model.save(os.path.join(args["dir"], "model.keras"))
+    model.save_weights(os.path.join(args["dir"], "model.weights.h5"))
+    peaks = tfhelp.world().gather({"train": trained, "save": saved,
+                                   "export": peak_bytes() or 0}, root=0)
+    sizes = {f: os.path.getsize(os.path.join(args["dir"], f))
+             for f in ("model.keras", "model.weights.h5")}
+    return {"peaks": peaks, "files": sizes} if peaks is not None else {}
+
+
+def restore_job(args: dict[str, Any]) -> dict[str, Any]:
+    """Every rank: restore the checkpoint into a fresh model, then train a step; peaks."""
+    from benchmarks import tfhelp
+    from tfsmp.launch.memcap import peak_bytes
+
+    _, model, manager, (x, y) = _ckpt_model(args)
+    restored = manager.restore()
+    batch = MODELS[args["model"]]["batch"]
+    model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    peaks = tfhelp.world().gather(peak_bytes() or 0, root=0)
+    return {"peaks": peaks, "restored": restored} if peaks is not None else {}
+
+
 worker = trial  # `benchmarks/run.py`'s interface
 
 
@@ -219,7 +307,22 @@ def summarize(result: dict[str, Any]) -> list[str]:
             mark = " (lower bound)" if r.get("lower_bound") else ""
             lines.append(f"| {m['model']} | {m['cap'] / 2**30:.2f} GiB | {m['plain']} | "
                          f"{r['p']} | {r['largest']}{mark} | {r['ratio']:.3f} | {peak:.0f} |")
+    if "checkpoint" in result:
+        lines += _checkpoint_lines(result["checkpoint"])
     return lines
+
+
+def _checkpoint_lines(c: dict[str, Any]) -> list[str]:
+    mib = 2**20
+    save = c["save"]["peaks"]
+    return ["", f"Checkpoints under the cap ([Note: checkpoints under the cap]): Dense(4096) x "
+            f"{c['depth']} (537M parameters), p = {c['p']}, {c['cap'] / 2**30:.2f} GiB per rank; "
+            "largest rank's cgroup peak after each phase (MiB).", "",
+            "| train | + save checkpoint | + export .keras and .weights.h5 | restore + train "
+            "(new job) | cap |", "|---|---|---|---|---|",
+            f"| {max(p['train'] for p in save) / mib:.0f} | {max(p['save'] for p in save) / mib:.0f} "
+            f"| {max(p['export'] for p in save) / mib:.0f} | "
+            f"{max(c['restore']['peaks']) / mib:.0f} | {c['cap'] / mib:.0f} |"]
 
 
 def verdict(result: dict[str, Any]) -> str:
