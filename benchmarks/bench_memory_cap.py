@@ -10,7 +10,7 @@ reported as a ratio to p x plain Keras's largest (goal: >= 0.95 p).
 
 Models: a stack of Dense(4096) layers (Adam, batch 8, 2.5 GiB per rank: 16.8M parameters per
 layer), and a GPT-style causal LM, keras_hub's GPT2Backbone with a Dense LM head (Adam, batch 4,
-sequence 64, hidden 1024, vocabulary 8192, 1.5 GiB per rank; depth = transformer blocks).
+sequence 64, hidden 1024, vocabulary 8192, 1.6 GiB per rank; depth = transformer blocks).
 The head is not tied to the token embedding: with tied copies on the first and last stage, those
 ranks keep gradient accumulators for all their variables (the copies' gradients are summed
 across stages before the step) and host copies of the tied gradient during the sum, which
@@ -40,7 +40,7 @@ GOAL = 0.95  # largest_p / (p * largest_plain) >= GOAL
 
 MODELS: dict[str, dict[str, Any]] = {
     "dense": {"cap": 2560 * 2**20, "batch": 8, "width": 4096, "start": 8},
-    "gpt": {"cap": 1536 * 2**20, "batch": 4, "seq": 64, "hidden": 1024, "heads": 16,
+    "gpt": {"cap": 1638 * 2**20, "batch": 4, "seq": 64, "hidden": 1024, "heads": 16,
             "ffn": 4096, "vocab": 8192, "start": 4},
 }
 _KILLED = "exceeded its memory cap"
@@ -52,8 +52,15 @@ def settings(quick: bool) -> dict[str, Any]:
 
 
 def run(quick: bool) -> dict[str, Any]:
+    """Every model's rows and the checkpoint jobs. ``TFSMP_BENCH_MODELS`` (e.g. ``dense`` or
+    ``checkpoint``) and ``TFSMP_BENCH_PARTITIONS`` (e.g. ``8``) run a part only; the rows of the
+    last run in ``benchmarks/results.json`` that this run does not redo are kept, with the time
+    they were measured ([Note: capacity search]: the p = 8 jobs run apart, when memory allows)."""
     args = settings(quick)
-    only = os.environ.get("TFSMP_BENCH_MODELS")  # e.g. "dense": one model's rows
+    only = os.environ.get("TFSMP_BENCH_MODELS")
+    parts = os.environ.get("TFSMP_BENCH_PARTITIONS")
+    if parts:
+        args["partitions"] = [int(p) for p in parts.split(",")]
     out: dict[str, Any] = {"settings": args, "rows": []}
     for name in args["models"]:
         if only and name not in only.split(","):
@@ -61,7 +68,36 @@ def run(quick: bool) -> dict[str, Any]:
         out["rows"].append(_model_rows(name, args))
     if not only or "checkpoint" in only.split(","):
         out["checkpoint"] = checkpoints(CHECKPOINT)
-    return out
+    return _kept(out) if (only or parts) else out
+
+
+def _kept(new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` with the previous run's rows it did not redo (from benchmarks/results.json)."""
+    import json
+    import time
+
+    from benchmarks.common import REPO_ROOT
+
+    path = REPO_ROOT / "benchmarks" / "results.json"
+    try:
+        entry = json.loads(path.read_text())["benchmarks"][NAME]
+        old, when = entry["result"], entry.get("started", "")
+    except (OSError, KeyError, ValueError):
+        return new
+    models = {m["model"]: m for m in old.get("rows", [])}
+    for m in new["rows"]:
+        kept = models.pop(m["model"], None)
+        if kept is not None:
+            done = {r["p"] for r in m["rows"]}
+            m["rows"] = sorted([*m["rows"], *({**r, "measured": r.get("measured", when)}
+                                              for r in kept["rows"] if r["p"] not in done)],
+                               key=lambda r: r["p"])
+    new["rows"] += [{**m, "rows": [{**r, "measured": r.get("measured", when)} for r in m["rows"]]}
+                    for m in models.values()]
+    if "checkpoint" not in new and "checkpoint" in old:
+        new["checkpoint"] = {**old["checkpoint"], "measured": old["checkpoint"].get("measured", when)}
+    new["settings"]["merged"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return new
 
 
 # [Note: checkpoints under the cap] The 32-layer stack (537M parameters, 2 GiB of weights, 8 GiB
@@ -107,10 +143,10 @@ def _model_rows(name: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _room_for(p: int, cap: int) -> bool:
-    """Whether this host has ``p`` caps of memory available now (MemAvailable) and 1 GiB more."""
+    """Whether this host has ``p`` caps of memory available now (MemAvailable) and 0.5 GiB more."""
     with open("/proc/meminfo") as f:
         info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info.get("MemAvailable", 0) >= p * cap + 2**30
+    return info.get("MemAvailable", 0) >= p * cap + 2**29
 
 
 def _largest(name: str, p: int, start: int, args: dict[str, Any],
@@ -245,21 +281,59 @@ def _ckpt_model(args: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     return smp, model, manager, (x, y)
 
 
+class _AnonPeak:
+    """Samples this cgroup's anonymous memory (memory.stat ``total_rss``, v1) every 20 ms: the
+    cgroup's maximum usage also counts the page cache of files a rank writes or reads, which
+    the kernel reclaims at the cap (a checkpoint of 2 GiB fills it), so it says little there."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from tfsmp.launch import memcap
+
+        with open("/proc/self/cgroup") as f:
+            own = memcap._own_cgroup(1, f.read()) or "/"
+        self.path = f"/sys/fs/cgroup/memory{own.rstrip('/')}/memory.stat"
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self.now())
+
+    def now(self) -> int:
+        try:
+            with open(self.path) as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("total_rss "))
+        except (OSError, StopIteration):
+            return 0
+
+    def take(self) -> int:
+        """The peak since the last `take`, then starts over."""
+        peak, self.peak = max(self.peak, self.now()), 0
+        return peak
+
+
 def save_job(args: dict[str, Any]) -> dict[str, Any]:
-    """Every rank: train, save a checkpoint, export .keras and .weights.h5; cgroup peaks."""
+    """Every rank: train, save a checkpoint, export .keras and .weights.h5; cgroup peaks (and
+    anonymous-memory peaks per phase, `_AnonPeak`)."""
     from benchmarks import tfhelp
     from tfsmp.launch.memcap import peak_bytes
 
+    anon = _AnonPeak()
     _, model, manager, (x, y) = _ckpt_model(args)
     batch = MODELS[args["model"]]["batch"]
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
-    trained = peak_bytes() or 0
+    trained, anon_train = peak_bytes() or 0, anon.take()
     manager.save()
-    saved = peak_bytes() or 0
+    saved, anon_save = peak_bytes() or 0, anon.take()
     model.save(os.path.join(args["dir"], "model.keras"))
     model.save_weights(os.path.join(args["dir"], "model.weights.h5"))
     peaks = tfhelp.world().gather({"train": trained, "save": saved,
-                                   "export": peak_bytes() or 0}, root=0)
+                                   "export": peak_bytes() or 0, "anon_train": anon_train,
+                                   "anon_save": anon_save, "anon_export": anon.take()}, root=0)
     sizes = {f: os.path.getsize(os.path.join(args["dir"], f))
              for f in ("model.keras", "model.weights.h5")}
     return {"peaks": peaks, "files": sizes} if peaks is not None else {}
@@ -270,12 +344,14 @@ def restore_job(args: dict[str, Any]) -> dict[str, Any]:
     from benchmarks import tfhelp
     from tfsmp.launch.memcap import peak_bytes
 
+    anon = _AnonPeak()
     _, model, manager, (x, y) = _ckpt_model(args)
     restored = manager.restore()
     batch = MODELS[args["model"]]["batch"]
     model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0, shuffle=False)
     peaks = tfhelp.world().gather(peak_bytes() or 0, root=0)
-    return {"peaks": peaks, "restored": restored} if peaks is not None else {}
+    anons = tfhelp.world().gather(anon.take(), root=0)
+    return {"peaks": peaks, "anon": anons, "restored": restored} if peaks is not None else {}
 
 
 worker = trial  # `benchmarks/run.py`'s interface
@@ -315,14 +391,21 @@ def summarize(result: dict[str, Any]) -> list[str]:
 def _checkpoint_lines(c: dict[str, Any]) -> list[str]:
     mib = 2**20
     save = c["save"]["peaks"]
+    def worst(key: str) -> str:
+        return f"{max(p.get(key, 0) for p in save) / mib:.0f}"
+
+    anon_restore = max(c["restore"].get("anon", [0])) / mib
     return ["", f"Checkpoints under the cap ([Note: checkpoints under the cap]): Dense(4096) x "
             f"{c['depth']} (537M parameters), p = {c['p']}, {c['cap'] / 2**30:.2f} GiB per rank; "
-            "largest rank's cgroup peak after each phase (MiB).", "",
-            "| train | + save checkpoint | + export .keras and .weights.h5 | restore + train "
+            "every phase completed with no rank killed. Largest rank's peak per phase, MiB: "
+            "the cgroup's maximum usage (which counts the written and read files' page cache, "
+            "reclaimed at the cap) and, in parentheses, its anonymous memory sampled every "
+            "20 ms.", "",
+            "| train | save checkpoint | export .keras and .weights.h5 | restore + train "
             "(new job) | cap |", "|---|---|---|---|---|",
-            f"| {max(p['train'] for p in save) / mib:.0f} | {max(p['save'] for p in save) / mib:.0f} "
-            f"| {max(p['export'] for p in save) / mib:.0f} | "
-            f"{max(c['restore']['peaks']) / mib:.0f} | {c['cap'] / mib:.0f} |"]
+            f"| {worst('train')} ({worst('anon_train')}) | {worst('save')} ({worst('anon_save')})"
+            f" | {worst('export')} ({worst('anon_export')}) | {max(c['restore']['peaks']) / mib:.0f}"
+            f" ({anon_restore:.0f}) | {c['cap'] / mib:.0f} |"]
 
 
 def verdict(result: dict[str, Any]) -> str:
