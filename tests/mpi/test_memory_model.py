@@ -10,6 +10,9 @@ maximum usage. Every rank must be within 10% of its prediction.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 
 from tfsmp.errors import ConfigError
@@ -21,15 +24,21 @@ CASES = [("dense_small", "interleaved"), ("gpt2_small", "simple"), ("resnet50_sm
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[tuple[str, str], dict]:
+def results() -> Iterator[dict[tuple[str, str], dict]]:
     try:
         find_controller()
     except ConfigError as e:
         pytest.skip(f"no memory cgroups here: {e}")
     from benchmarks.bench_memory_model import compare
 
-    args = {"partitions": 2, "microbatches": 4, "optimize": "memory", "steps": 2}
-    return {(m, p): compare(m, p, args) for m, p in CASES}
+    # the ranks run as users' do, with oneDNN's allocator (tests/conftest.py turns it off)
+    saved = os.environ.pop("TF_ENABLE_ONEDNN_OPTS", None)
+    try:
+        args = {"partitions": 2, "microbatches": 4, "optimize": "memory", "steps": 2}
+        yield {(m, p): compare(m, p, args) for m, p in CASES}
+    finally:
+        if saved is not None:
+            os.environ["TF_ENABLE_ONEDNN_OPTS"] = saved
 
 
 @pytest.mark.timeout(1500)

@@ -489,7 +489,8 @@ def measure_activations(traced: TracedModel, sample_input: Any, training: bool =
     what the tape keeps). Each call is a ``tf.function`` run under the tape, as a stage's
     programs are: graph-mode gradients keep 0.4-0.45x what eager ones keep, op by op (measured
     on GPT-2 and ResNet50). Layers are materialized one at a time, as in `profile`. Where the
-    allocator keeps no statistics the outputs' bytes stay. Calls alike (`_signature`) are
+    allocator keeps no statistics (``TF_ENABLE_ONEDNN_OPTS=0`` on CPU) the outputs' bytes stay
+    and only operations and linear bytes are counted. Calls alike (`_signature`) are
     measured once and their outputs reused, so a model of 32 equal blocks materializes one.
 
     Args:
@@ -506,7 +507,7 @@ def measure_activations(traced: TracedModel, sample_input: Any, training: bool =
     try:
         tf.config.experimental.get_memory_info(device)
     except (ValueError, RuntimeError):
-        return {}
+        device = ""  # no allocator statistics (TF_ENABLE_ONEDNN_OPTS=0 on CPU): count only
     env = traced.pack_inputs(sample_input)
     batch = max(int(next(iter(env.values())).shape[0] or 1), 1) if env else 1
     last_use = _last_use(traced)
@@ -555,14 +556,17 @@ def _measure_call(tf: Any, device: str, call: Any, inputs: list[Any], variables:
     one call, with its variables materialized for the measurement only."""
     from tfsmp.graph.deferred import is_deferred, materialize, release
 
+    def current() -> int:
+        return int(tf.config.experimental.get_memory_info(device)["current"]) if device else 0
+
     fresh = materialize([v for v in variables if is_deferred(v)])
     try:
         run = tf.function(functools.partial(_run_call, call, training=training))
-        before = tf.config.experimental.get_memory_info(device)["current"]
+        before = current()
         with tf.GradientTape(persistent=True) as tape, _LinearBytes() as linear:
             tape.watch([x for x in inputs if x.dtype.is_floating])
             outputs = run(*inputs)
-        held = tf.config.experimental.get_memory_info(device)["current"] - before
+        held = current() - before
         del tape
         ops = len(run.get_concrete_function(*inputs).graph.get_operations())
         return max(held, 0) // batch, ops, linear.total // batch, list(outputs)
