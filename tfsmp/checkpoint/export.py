@@ -10,8 +10,8 @@ Example::
 
 Writing, roughly: every rank records the Keras weights layout of the whole model (no reads,
 see [Note: Keras weights layout] in `keras_h5`); data rank 0 of each pipeline rank sends its
-stages' arrays to world rank 0, which writes them as they arrive, so it never holds more than
-its own stages' and one other rank's. Reading: each rank opens the file and reads only the
+stages' arrays to world rank 0 one variable at a time, which writes each as it arrives, so it
+never holds more than its own stages' and one other variable ([Note: streaming export]). Reading: each rank opens the file and reads only the
 datasets of the variables it holds. Loads requested before the model is partitioned are kept
 and applied by `apply_pending` right after partitioning, on every rank, before the first step.
 """
@@ -123,19 +123,53 @@ def _value(entry: Entry) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(value))
 
 
+def _wire(array: np.ndarray) -> np.ndarray:
+    """The array's bytes as a flat uint8 view MPI can move (any dtype, bfloat16 included)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def _empty_like(entry: Entry) -> np.ndarray:
+    """An array for an entry's variable (shape and dtype known on every rank, held or not)."""
+    import ml_dtypes
+
+    name = str(keras.backend.standardize_dtype(entry.value.dtype))
+    dtype = np.dtype(getattr(ml_dtypes, name)) if name == "bfloat16" else np.dtype(name)
+    return np.empty(tuple(int(d) for d in entry.value.shape), dtype=dtype)
+
+
 def _send_mine(dm: Any, layout: H5Layout, owners: dict[int, int]) -> None:
+    """[Note: streaming export] Sends this rank's arrays to world rank 0 one variable at a
+    time, each after a small header (None, or the error that kept it from being read), so
+    neither side holds more than one variable beyond its own stages: gathering a rank's
+    stages in one message held them twice on the sender and on world rank 0, which also
+    holds its own, more than a rank near its memory cap has."""
     world = _state(dm).comm.world
-    mine: dict[int, np.ndarray] | str
-    try:
-        mine = {i: _value(layout.entries[i]) for i, r in owners.items() if r == world.rank}
-    except Exception as e:  # rank 0 must hear of it, or it waits forever
-        mine = f"{type(e).__name__}: {e}"
-    world.send_obj(mine, 0, _TAG)
+    for i in sorted(i for i, r in owners.items() if r == world.rank):
+        try:
+            array: np.ndarray | None = _value(layout.entries[i])
+            header = None
+        except Exception as e:  # rank 0 must hear of it, or it waits forever
+            array, header = None, f"{type(e).__name__}: {e}"
+        world.send_obj(header, 0, _TAG)
+        if array is not None:
+            world.isend(_wire(array), 0, _TAG).wait()
+        del array
+
+
+def _receive(world: Any, rank: int, entry: Entry) -> np.ndarray | str:
+    """World rank 0: one variable from ``rank`` ([Note: streaming export]), or its error."""
+    header = world.recv_obj(rank, _TAG)
+    if header is not None:
+        return f"rank {rank}: {header}"
+    array = _empty_like(entry)
+    world.irecv(_wire(array), rank, _TAG).wait()
+    return array
 
 
 def _write_all(dm: Any, layout: H5Layout, owners: dict[int, int], path: str,
                attrs: dict[str, str] | None = None) -> list[str]:
-    """World rank 0: writes every entry, receiving the other ranks' arrays one rank at a time.
+    """World rank 0: writes every entry, receiving the other ranks' arrays one variable at a
+    time ([Note: streaming export]).
 
     Always receives from every sender (they block until it does); returns the problems."""
     world = _state(dm).comm.world
@@ -157,12 +191,13 @@ def _write_all(dm: Any, layout: H5Layout, owners: dict[int, int], path: str,
         if writer is not None and owners.get(i, 0) == 0:
             put(writer, e, functools.partial(_value, e))
     for rank in sorted({r for r in owners.values() if r != 0}):
-        got = world.recv_obj(rank, _TAG)
-        if isinstance(got, str):
-            errors.append(f"rank {rank}: {got}")
-        elif writer is not None:
-            for i, value in got.items():
-                put(writer, layout.entries[i], functools.partial(np.asarray, value))
+        for i in sorted(i for i, r in owners.items() if r == rank):
+            got = _receive(world, rank, layout.entries[i])
+            if isinstance(got, str):
+                errors.append(got)
+            elif writer is not None:
+                put(writer, layout.entries[i], functools.partial(np.asarray, got))
+            del got
     if writer is not None:
         writer.close()
     return errors
