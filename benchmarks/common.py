@@ -85,7 +85,8 @@ def _job_env(threads: int, extra: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def launch(np: int, module: str, func: str, args: Mapping[str, Any], *, timeout: float = 600.0,
-           threads: int = 1, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+           threads: int = 1, env: Mapping[str, str] | None = None,
+           memory_per_rank: int | None = None) -> dict[str, Any]:
     """Runs ``benchmarks.<module>.<func>(args)`` on ``np`` MPI ranks; returns rank 0's result.
 
     Args:
@@ -96,6 +97,8 @@ def launch(np: int, module: str, func: str, args: Mapping[str, Any], *, timeout:
         timeout: seconds before the whole job is killed.
         threads: TensorFlow intra-/inter-op threads per rank.
         env: extra environment variables.
+        memory_per_rank: run every rank in a memory cgroup of this many bytes, as
+            ``tfsmp run --memory-per-rank`` does (`tfsmp.launch.memcap`).
 
     Returns:
         The dict rank 0's function returned, plus ``"job_seconds"``.
@@ -105,8 +108,13 @@ def launch(np: int, module: str, func: str, args: Mapping[str, Any], *, timeout:
     """
     from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
 
+    prefix: list[str] = []
+    if memory_per_rank is not None:
+        from tfsmp.launch.memcap import rank_prefix
+
+        prefix = rank_prefix(memory_per_rank, f"bench-{os.getpid()}-{time.monotonic_ns()}")
     argv = build_mpirun_command(np, ["-m", "benchmarks.worker", module, func, json.dumps(dict(args))],
-                                mpirun=find_mpirun())
+                                mpirun=find_mpirun(), rank_prefix=prefix)
     start = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_job_env(threads, env), cwd=REPO_ROOT, start_new_session=True)

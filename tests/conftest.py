@@ -41,9 +41,19 @@ def _tier(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     no_horovod = importlib.util.find_spec("horovod") is None
     no_mpirun = _mpirun() is None
+    no_trials = os.environ.get("TFSMP_FAULT_TRIALS") != "1"
+    # the soak runs when asked: TFSMP_SOAK=1 (CI sets it) or a -m expression naming it
+    no_soak = os.environ.get("TFSMP_SOAK") != "1" and "soak" not in (config.option.markexpr or "")
     for item in items:
         tier = _tier(item)
         item.add_marker(tier)
+        if no_trials and "fault_trials" in item.keywords:
+            item.add_marker(pytest.mark.skip(
+                reason="the 10 fault trials run with TFSMP_FAULT_TRIALS=1 (CI sets it); the "
+                       "default run has a 2-trial version"))
+        if no_soak and "soak" in item.keywords:
+            item.add_marker(pytest.mark.skip(
+                reason="the 500-step soak runs with TFSMP_SOAK=1 (CI sets it) or -m soak"))
         if no_horovod and "horovod" in item.keywords:
             item.add_marker(pytest.mark.skip(
                 reason="Horovod is not installed: run `tfsmp install-horovod`"))

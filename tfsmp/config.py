@@ -237,7 +237,8 @@ def _path(key: str, value: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 # The table.
 
-_MEMORY = "memory: balance parameter+activation memory, keep only boundary tensors and recompute"
+_MEMORY = ("memory: keep only boundary tensors and recompute, and plan the best compute balance "
+           "among the plans whose every rank fits its memory cap (tfsmp run --memory-per-rank)")
 _PARAMS: list[Param] = [
     Param("partitions", "int", 1, ">= 1", sdk=True, check=_positive_int, help=(
         "Pipeline partitions: ranks that together hold one model replica. The world size must be a "
@@ -286,8 +287,9 @@ _PARAMS: list[Param] = [
               "schedule's own limit. SMP had it for PyTorch only.")),
     Param("memory_weight", "float or None", None, "0.0 .. 1.0", sdk=True,
           check=_optional(_unit_interval), help=(
-              "Weight of memory against compute when auto-partitioning balances stages. None: 0.2 "
-              "with optimize=speed, 0.8 with optimize=memory. SMP had it for PyTorch only.")),
+              "Weight of memory against compute when auto-partitioning balances stages (a blend). "
+              "None: compute only with optimize=speed; with optimize=memory, compute within the "
+              "memory cap instead of a blend. SMP had it for PyTorch only.")),
     Param("virtual_stages", "int", 1, ">= 1", sdk=False, check=_positive_int, help=(
         "Model chunks per pipeline rank (Megatron interleaving): num_stages = partitions x "
         "virtual_stages, which divides the bubble by about virtual_stages for more messages. "

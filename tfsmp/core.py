@@ -229,6 +229,10 @@ def _pin_gpu(local_rank: int) -> None:
         return
     try:
         tf.config.set_visible_devices(gpus[index], "GPU")
+        cap = os.environ.get("TFSMP_MEMORY_PER_RANK")  # `tfsmp run --memory-per-rank` on GPUs
+        if cap:
+            tf.config.set_logical_device_configuration(
+                gpus[index], [tf.config.LogicalDeviceConfiguration(memory_limit=int(cap) >> 20)])
     except RuntimeError as e:  # TF already created its GPU devices
         warnings.warn(f"tfsmp could not pin GPU {index} for local rank {local_rank}: {e}. "
                       "Call tfsmp.init() before running any TensorFlow op.", stacklevel=3)

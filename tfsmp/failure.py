@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
+from tfsmp import relaunch
+
 __all__ = ["DEBUG_ENV", "SETUP_GRACE", "abort_job", "debugging", "format_setup_error",
            "format_tagged", "install", "installed", "launcher_rank", "mark_setup_error",
            "uninstall"]
@@ -86,6 +88,8 @@ def _report(exc_type: type[BaseException], exc: BaseException, tb: TracebackType
             sys.stderr.flush()
         except Exception:
             pass
+        # for a launcher that relaunches the job ([Note: restart records] in tfsmp/relaunch.py)
+        relaunch.record_failure(_safe_tag(), f"{exc_type.__name__}: {exc}")
         sys.stdout.flush()
         abort_job(1)
 
@@ -197,6 +201,7 @@ def _report_setup_error(exc: BaseException) -> bool:
         time.sleep(SETUP_GRACE)
     sys.stderr.write(format_setup_error(exc, rank))
     sys.stderr.flush()
+    relaunch.record_failure(f"rank {rank}", f"{type(exc).__name__}: {exc}")  # [Note: restart records]
     return True
 
 

@@ -43,3 +43,14 @@ def test_a_reach_into_private_state_fails_the_lint(tmp_path: Path) -> None:
     assert proc.returncode != 0, proc.stdout
     assert "SLF001" in proc.stdout and "store.py" in proc.stdout and "_state" in proc.stdout, \
         proc.stdout
+
+def test_test_modules_have_unique_basenames() -> None:
+    """The test directories are not packages, so pytest imports each test file by its basename:
+    two files of one name in different tiers stop collection of the whole suite."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, "test files share a basename: " + "; ".join(clashes)

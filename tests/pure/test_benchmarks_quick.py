@@ -132,6 +132,16 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "reduction": {"rows": [{"model": "dense", "tensors": 16, "bytes": 32 * 2**20, "mpi": 0.05,
                             "horovod": 0.04, "raw_mpi": 0.02, "horovod_over_mpi": q(0.8),
                             "mpi_over_raw": q(2.5)}]},
+    "memory_model": {"rows": [
+        {"model": "dense", "pipeline": "interleaved", "baseline": 2**28, "ratios": [1.02, 0.97],
+         "predicted": [{"total": 1020, "weights": 1, "optimizer": 2, "accumulators": 1,
+                        "activations": 3}] * 2, "measured": [{"peak": 1000}, {"peak": 1050}]}]},
+    "memory_cap": {"rows": [
+        {"model": "dense", "cap": 2560 * 2**20, "plain": 9, "plain_trials": [],
+         "rows": [{"p": 2, "largest": 18, "ratio": 1.0, "lower_bound": False,
+                   "trials": [{"depth": 18, "fits": True, "peaks": [2**31, 2**31]},
+                              {"depth": 19, "fits": False}]},
+                  {"p": 8, "skipped": "not enough free memory on this machine"}]}]},
 }
 
 
@@ -156,7 +166,8 @@ def test_tables_and_verdicts_render_from_a_worker_shaped_result(name: str) -> No
 
 @pytest.mark.parametrize(("name", "word"), [("overhead", "met"), ("speedup", "1F1B at m = 8: met"),
                                             ("memory", "state met"), ("p2p", "missed by 0.100"),
-                                            ("bubble", "met")])
+                                            ("bubble", "met"), ("memory_model", "met"),
+                                            ("memory_cap", "met")])
 def test_verdicts_say_met_or_by_how_much_a_goal_was_missed(name: str, word: str) -> None:
     mod = MODULES[name]
     assert word in mod.verdict({**SAMPLES[name], "settings": mod.settings(True)})

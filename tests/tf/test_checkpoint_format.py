@@ -299,8 +299,13 @@ def test_weights_file_has_the_groups_attributes_and_values_keras_writes(smp: obj
     dm = _dm(smp)
     dm.train_on_batch(x, y)
     dm.save_weights(str(tmp_path / "ours.weights.h5"))
-    plain = _model()
+    plain = _model()  # compiled as dm is: Keras's file then holds its optimizer's state too
+    plain.compile(optimizer=keras.optimizers.Adam(1e-2, name=dm.optimizer.name), loss="mse")
+    plain.optimizer.build(plain.trainable_variables)
     plain.set_weights(dm.get_weights())
+    state = {v.name: v.numpy() for v in dm.optimizer.variables}  # p=1: every slot is here
+    for v in plain.optimizer.variables:  # by name, so the file's order is Keras's own
+        v.assign(state[v.name])
     plain.save_weights(str(tmp_path / "keras.weights.h5"))
     assert _h5_tree(tmp_path / "ours.weights.h5") == _h5_tree(tmp_path / "keras.weights.h5")
     dm.save(str(tmp_path / "m.keras"))

@@ -19,6 +19,7 @@ def test_default_paths_inside_an_estimator_job_map_to_the_job(monkeypatch: pytes
     monkeypatch.setenv("SM_MODEL_DIR", "/jobs/j1/model")
     monkeypatch.setenv("TFSMP_CHECKPOINT_DIR", "/jobs/j1/ckpt")
     assert resolve_sagemaker_path("/opt/ml/checkpoints/") == "/jobs/j1/ckpt"
+    assert resolve_sagemaker_path("/opt/ml/checkpoints/backup") == "/jobs/j1/ckpt/backup"
     assert resolve_sagemaker_path("/opt/ml/model") == "/jobs/j1/model"
     assert resolve_sagemaker_path("/opt/ml/output/data") == "/jobs/j1/output/data"
     assert resolve_sagemaker_path("/elsewhere") == "/elsewhere"

@@ -70,6 +70,9 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
         self.restored_position = {"epoch": epoch, "step": step}
         self.model.resume_at(epoch, step)
         self._epoch = epoch
+        # save_freq counts batches since fit began: on from where the uninterrupted run was
+        per_epoch = (self.params or {}).get("steps") or 0
+        self._batches = epoch * int(per_epoch) + step
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch = epoch
@@ -79,10 +82,15 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
             return
         self._batches += 1
         if self._batches % int(self.save_freq) == 0:
-            self._get_manager().save(position={"epoch": self._epoch, "step": batch + 1})
+            self.backup_now({"epoch": self._epoch, "step": batch + 1})
+
+    def backup_now(self, position: dict[str, int]) -> str:
+        """Writes a backup at ``position`` now (every rank calls); returns its path. ``fit`` calls
+        it when a preemption signal arrives ([Note: preemption] in tfsmp/runtime/preemption.py)."""
+        return str(self._get_manager().save(position=dict(position)))
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self._get_manager().save(position={"epoch": epoch + 1, "step": 0})
+        self.backup_now({"epoch": epoch + 1, "step": 0})
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if not self.delete_checkpoint:

@@ -10,8 +10,8 @@ Example::
 
 Writing, roughly: every rank records the Keras weights layout of the whole model (no reads,
 see [Note: Keras weights layout] in `keras_h5`); data rank 0 of each pipeline rank sends its
-stages' arrays to world rank 0, which writes them as they arrive, so it never holds more than
-its own stages' and one other rank's. Reading: each rank opens the file and reads only the
+stages' arrays to world rank 0 one variable at a time, which writes each as it arrives, so it
+never holds more than its own stages' and one other variable ([Note: streaming export]). Reading: each rank opens the file and reads only the
 datasets of the variables it holds. Loads requested before the model is partitioned are kept
 and applied by `apply_pending` right after partitioning, on every rank, before the first step.
 """
@@ -19,6 +19,7 @@ and applied by `apply_pending` right after partitioning, on every rank, before t
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -30,7 +31,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from tfsmp.checkpoint import keras_h5
+from tfsmp.checkpoint import keras_h5, keras_optimizer
 from tfsmp.checkpoint.keras_h5 import Entry, H5Layout
 from tfsmp.errors import CheckpointError
 
@@ -116,18 +117,53 @@ def _value(entry: Entry) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(value))
 
 
+def _wire(array: np.ndarray) -> np.ndarray:
+    """The array's bytes as a flat uint8 view MPI can move (any dtype, bfloat16 included)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def _empty_like(entry: Entry) -> np.ndarray:
+    """An array for an entry's variable (shape and dtype known on every rank, held or not)."""
+    import ml_dtypes
+
+    name = str(keras.backend.standardize_dtype(entry.value.dtype))
+    dtype = np.dtype(getattr(ml_dtypes, name)) if name == "bfloat16" else np.dtype(name)
+    return np.empty(tuple(int(d) for d in entry.value.shape), dtype=dtype)
+
+
 def _send_mine(dm: Any, layout: H5Layout, owners: dict[int, int]) -> None:
+    """[Note: streaming export] Sends this rank's arrays to world rank 0 one variable at a
+    time, each after a small header (None, or the error that kept it from being read), so
+    neither side holds more than one variable beyond its own stages: gathering a rank's
+    stages in one message held them twice on the sender and on world rank 0, which also
+    holds its own, more than a rank near its memory cap has."""
     world = dm.runtime_state().comm.world
-    mine: dict[int, np.ndarray] | str
-    try:
-        mine = {i: _value(layout.entries[i]) for i, r in owners.items() if r == world.rank}
-    except Exception as e:  # rank 0 must hear of it, or it waits forever
-        mine = f"{type(e).__name__}: {e}"
-    world.send_obj(mine, 0, _TAG)
+    for i in sorted(i for i, r in owners.items() if r == world.rank):
+        try:
+            array: np.ndarray | None = _value(layout.entries[i])
+            header = None
+        except Exception as e:  # rank 0 must hear of it, or it waits forever
+            array, header = None, f"{type(e).__name__}: {e}"
+        world.send_obj(header, 0, _TAG)
+        if array is not None:
+            world.isend(_wire(array), 0, _TAG).wait()
+        del array
 
 
-def _write_all(dm: Any, layout: H5Layout, owners: dict[int, int], path: str) -> list[str]:
-    """World rank 0: writes every entry, receiving the other ranks' arrays one rank at a time.
+def _receive(world: Any, rank: int, entry: Entry) -> np.ndarray | str:
+    """World rank 0: one variable from ``rank`` ([Note: streaming export]), or its error."""
+    header = world.recv_obj(rank, _TAG)
+    if header is not None:
+        return f"rank {rank}: {header}"
+    array = _empty_like(entry)
+    world.irecv(_wire(array), rank, _TAG).wait()
+    return array
+
+
+def _write_all(dm: Any, layout: H5Layout, owners: dict[int, int], path: str,
+               attrs: dict[str, str] | None = None) -> list[str]:
+    """World rank 0: writes every entry, receiving the other ranks' arrays one variable at a
+    time ([Note: streaming export]).
 
     Always receives from every sender (they block until it does); returns the problems."""
     world = dm.runtime_state().comm.world
@@ -142,28 +178,31 @@ def _write_all(dm: Any, layout: H5Layout, owners: dict[int, int], path: str) -> 
 
     writer: Any = None
     try:
-        writer = keras_h5.WeightsWriter(path, layout)
+        writer = keras_h5.WeightsWriter(path, layout, attrs=attrs)
     except Exception as ex:
         errors.append(f"{path!r} cannot be written: {ex}")
     for i, e in enumerate(layout.entries):
         if writer is not None and owners.get(i, 0) == 0:
             put(writer, e, functools.partial(_value, e))
     for rank in sorted({r for r in owners.values() if r != 0}):
-        got = world.recv_obj(rank, _TAG)
-        if isinstance(got, str):
-            errors.append(f"rank {rank}: {got}")
-        elif writer is not None:
-            for i, value in got.items():
-                put(writer, layout.entries[i], functools.partial(np.asarray, value))
+        for i in sorted(i for i, r in owners.items() if r == rank):
+            got = _receive(world, rank, layout.entries[i])
+            if isinstance(got, str):
+                errors.append(got)
+            elif writer is not None:
+                put(writer, layout.entries[i], functools.partial(np.asarray, got))
+            del got
     if writer is not None:
         writer.close()
     return errors
 
 
 def _collective_write(dm: Any, target: str, overwrite: bool,
-                      finish: Callable[[str, str], None]) -> None:
-    """Every rank: gathers the weights to world rank 0, which writes a temporary weights file
-    and calls ``finish(weights_file, output_path)``; errors are raised on every rank."""
+                      finish: Callable[[str, str], None], optimizer: bool = False,
+                      attrs: dict[str, str] | None = None) -> None:
+    """Every rank: gathers the weights (and with ``optimizer`` the optimizer's state) to world
+    rank 0, which writes a temporary weights file (root attributes ``attrs``) and calls
+    ``finish(weights_file, output_path)``; errors are raised on every rank."""
     world = dm.runtime_state().comm.world
     if dm.rank_view is None and has_pending(dm, weights_only=True):
         raise CheckpointError(
@@ -172,6 +211,8 @@ def _collective_write(dm: Any, target: str, overwrite: bool,
             f"model.partition(x)) first.")
     layout = _layout(dm)
     owners = _owners(dm, layout)
+    if optimizer:
+        layout, owners = _with_optimizer(dm, layout, owners)
     tmpdir = _root_prepare(target, overwrite) if world.rank == 0 else None
     ready = world.bcast_obj(tmpdir, root=0)
     if isinstance(ready, CheckpointError):
@@ -181,10 +222,44 @@ def _collective_write(dm: Any, target: str, overwrite: bool,
         if world.rank in owners.values():
             _send_mine(dm, layout, owners)
     else:
-        outcome = _root_finish(dm, layout, owners, target, str(tmpdir), finish)
+        outcome = _root_finish(dm, layout, owners, target, str(tmpdir), finish, attrs)
     outcome = world.bcast_obj(outcome, root=0)
     if outcome is not None:
         raise CheckpointError(outcome)
+
+
+def _with_optimizer(dm: Any, layout: H5Layout, owners: dict[int, int]
+                    ) -> tuple[H5Layout, dict[int, int]]:
+    """``layout`` and ``owners`` plus the optimizer's ``optimizer/vars/<i>`` entries, each valued
+    with this rank's variable where it holds one ([Note: Keras optimizer layout] in
+    keras_optimizer). A collective call; an optimizer tfsmp cannot lay out is left out (with a
+    warning) on every rank alike."""
+    optimizer, view = getattr(dm, "optimizer", None), dm.rank_view
+    if optimizer is None or view is None:  # the same on every rank
+        return layout, owners
+    world = dm.runtime_state().comm.world
+    problem: str | None = None
+    steps: int | None = None
+    try:
+        order = keras_optimizer.keras_order(dm)
+        slots, globals_ = keras_optimizer.local_state(dm)
+        steps = int(keras.ops.convert_to_numpy(optimizer.iterations))
+    except Exception as e:  # every rank must decide alike
+        problem = f"{type(e).__name__}: {e}"
+    everyone = world.allgather_obj((steps, problem))
+    problems = [p for _, p in everyone if p is not None]
+    if problems:
+        warnings.warn(f"The weights file holds no optimizer state: {problems[0]}", stacklevel=4)
+        return layout, owners
+    counts = [int(s) for s, _ in everyone]
+    globals_rank = counts.index(max(counts))  # a rank that trains nothing never steps
+    entries, owners = list(layout.entries), dict(owners)
+    for i, (kind, name) in enumerate(order):
+        local = slots.get(name) if kind == "slot" else globals_.get(name)
+        owners[len(entries)] = view.writer[name[0]] if kind == "slot" else globals_rank
+        entries.append(Entry(keras_optimizer.GROUP, str(i), local))
+    groups = [*layout.groups, (keras_optimizer.GROUP, {"name": optimizer.name})]
+    return H5Layout(groups, entries), owners
 
 
 def _root_prepare(target: str, overwrite: bool) -> str | CheckpointError:
@@ -202,10 +277,11 @@ def _root_prepare(target: str, overwrite: bool) -> str | CheckpointError:
 
 
 def _root_finish(dm: Any, layout: H5Layout, owners: dict[int, int], target: str, tmpdir: str,
-                 finish: Callable[[str, str], None]) -> str | None:
+                 finish: Callable[[str, str], None], attrs: dict[str, str] | None = None
+                 ) -> str | None:
     try:
         weights = os.path.join(tmpdir, keras_h5.WEIGHTS_NAME)
-        errors = _write_all(dm, layout, owners, weights)
+        errors = _write_all(dm, layout, owners, weights, attrs)
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
             return (f"Every weight must be readable by the rank that holds it. Received: "
@@ -223,8 +299,10 @@ def _root_finish(dm: Any, layout: H5Layout, owners: dict[int, int], target: str,
 def save_weights(dm: Any, filepath: str, overwrite: bool = True) -> None:
     """Writes a standard Keras ``.weights.h5`` of the whole model (every rank calls).
 
-    The optimizer's state is not included (it lives on the stages); use `CheckpointManager`
-    to resume training.
+    As ``keras.Model.save_weights``, the file holds the optimizer's state too (``optimizer/vars``,
+    in Keras's order: [Note: Keras optimizer layout] in keras_optimizer), so a plain-Keras model
+    loads it with its optimizer state. Written during ``fit``, it also records the training
+    position ([Note: Keras's BackupAndRestore] in fit_resume).
 
     Raises:
         ValueError: ``filepath`` does not end in ``.weights.h5``.
@@ -239,7 +317,11 @@ def save_weights(dm: Any, filepath: str, overwrite: bool = True) -> None:
     def finish(weights: str, out: str) -> None:
         shutil.move(weights, out)
 
-    _collective_write(dm, str(path), overwrite, finish)
+    from tfsmp.checkpoint import fit_resume
+
+    position = fit_resume.current_position(dm)
+    attrs = {fit_resume.POSITION_ATTR: json.dumps(position)} if position else None
+    _collective_write(dm, str(path), overwrite, finish, optimizer=True, attrs=attrs)
 
 
 def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
@@ -364,7 +446,9 @@ def load_weights(dm: Any, filepath: str, skip_mismatch: bool = False) -> None:
     done = _load_now(dm, path, skip_mismatch)
     if any(isinstance(e.value, keras.Variable) and id(e.value) not in done
            for e in _layout(dm).entries):
-        defer(dm, lambda m: _load_now(m, path, skip_mismatch, exclude=done))
+        defer(dm, lambda m: _load_now(m, path, skip_mismatch, exclude=done, optimizer=False))
+    if getattr(dm, "optimizer", None) is not None:  # its slots exist once partitioned
+        defer(dm, lambda m: _load_optimizer_now(m, path), weights=False)
 
 
 def _held_entries(dm: Any, layout: H5Layout, exclude: frozenset[int] = frozenset()
@@ -418,18 +502,28 @@ def _read_held(path: str, entries: list[tuple[Entry, Any]], layout: H5Layout,
     return out, problems, []
 
 
-def _load_now(dm: Any, path: str, skip_mismatch: bool, exclude: frozenset[int] = frozenset()
-              ) -> frozenset[int]:
-    """Reads and assigns the held variables (a collective call); returns the ids it handled
-    (assigned, or skipped with ``skip_mismatch``)."""
+def _load_now(dm: Any, path: str, skip_mismatch: bool, exclude: frozenset[int] = frozenset(),
+              optimizer: bool = True) -> frozenset[int]:
+    """Reads and assigns the held variables, and once partitioned (``optimizer``) the
+    optimizer's state the file holds (a collective call); returns the ids of the model
+    variables it handled (assigned, or skipped with ``skip_mismatch``)."""
     world = dm.runtime_state().comm.world
     layout = _layout(dm)
     entries = _held_entries(dm, layout, exclude)
     errors: list[str] = []
     skipped: list[str] = []
     values: list[tuple[Any, np.ndarray]] = []
+    notes: list[str] = []
     try:
         values, errors, skipped = _read_held(path, entries, layout, skip_mismatch)
+        if optimizer and not errors:
+            try:
+                slots, notes = _read_optimizer(dm, path)
+                values += slots
+            except CheckpointError as e:  # with skip_mismatch, the optimizer's state is skipped
+                if not skip_mismatch:
+                    raise
+                notes = [f"Skipped the optimizer's state while loading weights: {e}"]
     except Exception as e:  # every rank must learn of it before anyone assigns
         errors = [str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"]
     everyone = [e for part in world.allgather_obj(errors) for e in part]
@@ -438,9 +532,63 @@ def _load_now(dm: Any, path: str, skip_mismatch: bool, exclude: frozenset[int] =
         raise CheckpointError(everyone[0] + more + " Pass skip_mismatch=True to skip them.")
     for message in skipped:
         warnings.warn(f"Skipped while loading weights: {message}", stacklevel=3)
+    for message in notes:
+        warnings.warn(message, stacklevel=3)
     for v, value in values:
         v.assign(value)
     return frozenset(id(v) for _, v in entries)
+
+
+def _load_optimizer_now(dm: Any, path: str) -> None:
+    """Reads and assigns the optimizer's state of a weights file loaded before partitioning."""
+    world = dm.runtime_state().comm.world
+    errors: list[str] = []
+    values: list[tuple[Any, np.ndarray]] = []
+    notes: list[str] = []
+    try:
+        values, notes = _read_optimizer(dm, path)
+    except Exception as e:
+        errors = [str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"]
+    everyone = [e for part in world.allgather_obj(errors) for e in part]
+    if everyone:
+        raise CheckpointError(everyone[0])
+    for message in notes:
+        warnings.warn(message, stacklevel=3)
+    for v, value in values:
+        v.assign(value)
+
+
+def _read_optimizer(dm: Any, path: str) -> tuple[list[tuple[Any, np.ndarray]], list[str]]:
+    """The optimizer variables this rank holds with their values in ``path`` (nothing when the
+    file has no optimizer state, or the model is not partitioned yet), and Keras's warning when
+    the file's optimizer has another number of variables ([Note: Keras optimizer layout])."""
+    optimizer = getattr(dm, "optimizer", None)
+    if optimizer is None or dm.rank_view is None:
+        return [], []
+    out: list[tuple[Any, np.ndarray]] = []
+    with keras_h5.open_weights(path) as h5:
+        size = keras_h5.group_size(h5, keras_optimizer.GROUP)
+        if size is None:
+            return [], []
+        order = keras_optimizer.keras_order(dm)
+        if size != len(order):  # Keras's own words and behaviour (load_own_variables)
+            return [], [f"Skipping variable loading for optimizer '{optimizer.name}', because it "
+                        f"has {len(order)} variables whereas the saved optimizer has {size} "
+                        f"variables."]
+        slots, globals_ = keras_optimizer.local_state(dm)
+        for i, (kind, name) in enumerate(order):
+            var = slots.get(name) if kind == "slot" else globals_.get(name)
+            if var is None:  # another rank holds it
+                continue
+            value = keras_h5.read_entry(h5, Entry(keras_optimizer.GROUP, str(i), None), path)
+            if tuple(value.shape) != tuple(var.shape):
+                raise CheckpointError(
+                    f"Optimizer variables must match in shape. Received: "
+                    f"'{keras_optimizer.GROUP}/{i}' in {path!r} has shape {tuple(value.shape)}, "
+                    f"optimizer variable '{var.path}' has {tuple(var.shape)}. Fix: load into the "
+                    f"model and optimizer the file was written from.")
+            out.append((var, value))
+    return out, []
 
 
 # -- SavedModel --------------------------------------------------------------------------------

@@ -41,8 +41,8 @@ from tfsmp.errors import CheckpointError
 __all__ = [
     "FORMAT", "LATEST", "MANIFEST", "VERSION", "array_file", "atomic_write_text", "begin",
     "checkpoint_number", "commit", "list_checkpoints", "prune", "read_array", "read_latest",
-    "read_manifest", "resolve", "safe_join", "write_array", "write_latest", "write_manifest",
-    "write_smp_markers",
+    "read_manifest", "resolve", "safe_join", "verify_array", "write_array", "write_latest",
+    "write_manifest", "write_smp_markers",
 ]
 
 FORMAT = "tfsmp-checkpoint"
@@ -100,9 +100,33 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class _Digest(io.RawIOBase):
+    """A write-only file that hashes and counts what passes through to ``out``."""
+
+    def __init__(self, out: Any) -> None:
+        self.out, self.sha, self.size = out, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.out.write(view)
+        self.size += len(view)
+        return len(view)
+
+
 def write_array(ckpt_dir: str, relpath: str, value: Any, dtype: str | None = None
                 ) -> dict[str, Any]:
     """Writes one array as ``.npy`` (fsynced) and returns its manifest entry.
+
+    [Note: streaming arrays] An array goes to its file, and comes back from it, in place: the
+    checksum is computed over the bytes as they pass (`np.lib.format` writes a non-file object
+    in chunks of at most 16 MiB), and a read fills the array's own memory from the file. A
+    process never holds a second copy of a variable, so a rank near its memory cap can save
+    and restore a checkpoint (a 64 MiB variable used to take three extra copies to save and two
+    to read).
 
     Args:
         ckpt_dir: The (temporary) checkpoint directory.
@@ -119,28 +143,49 @@ def write_array(ckpt_dir: str, relpath: str, value: Any, dtype: str | None = Non
     name = dtype or str(array.dtype)
     if name in _STORED_AS:
         array = array.view(_STORED_AS[name])
-    buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
-    data = buf.getvalue()
     path = os.path.join(ckpt_dir, relpath)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
-        f.write(data)
+        digest = _Digest(f)
+        np.lib.format.write_array(digest, array, allow_pickle=False)
         f.flush()
         os.fsync(f.fileno())
     _slow_save_pause()
     return {"file": relpath, "shape": [int(d) for d in array.shape], "dtype": name,
-            "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            "bytes": digest.size, "sha256": digest.sha.hexdigest()}
 
 
 def read_array(ckpt_dir: str, key: str, entry: Any) -> np.ndarray:
-    """Reads and verifies one array of a checkpoint.
+    """Reads and verifies one array of a checkpoint ([Note: streaming arrays]).
 
     Raises:
         CheckpointError: the entry is malformed, the file is missing, truncated, fails its
             checksum, or holds another shape or dtype than the manifest says. The message names
             the file and the variable.
     """
+    path = _checked_path(ckpt_dir, key, entry)
+    with open(path, "rb") as f:
+        array, digest = _read_npy(f, path, key, [int(d) for d in entry["shape"]])
+    _check_digest(path, key, entry, digest)
+    return _typed(array, path, key, entry)
+
+
+def verify_array(ckpt_dir: str, key: str, entry: Any, chunk: int = 16 << 20) -> None:
+    """Checks one array file's size and checksum without holding the array (16 MiB at a time).
+
+    Raises:
+        CheckpointError: as `read_array`.
+    """
+    path = _checked_path(ckpt_dir, key, entry)
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            sha.update(block)
+            size += len(block)
+    _check_digest(path, key, entry, (size, sha.hexdigest()))
+
+
+def _checked_path(ckpt_dir: str, key: str, entry: Any) -> str:
     if not isinstance(entry, dict) or not {"file", "shape", "dtype", "sha256"} <= set(entry):
         raise CheckpointError(
             f"Every manifest entry needs file, shape, dtype and sha256. Received: {entry!r} for "
@@ -150,30 +195,77 @@ def read_array(ckpt_dir: str, key: str, entry: Any) -> np.ndarray:
         raise CheckpointError(
             f"A checkpoint file is missing. Received: file '{path}' for variable '{key}' does "
             f"not exist. The checkpoint is incomplete: restore another one.")
-    with open(path, "rb") as f:
-        data = f.read()
+    size, expected = os.path.getsize(path), entry.get("bytes")
+    if isinstance(expected, int) and size != expected:
+        _check_digest(path, key, entry, (size, ""))
+    return path
+
+
+def _check_digest(path: str, key: str, entry: dict[str, Any], found: tuple[int, str]) -> None:
+    size, digest = found
     expected = entry.get("bytes")
-    if isinstance(expected, int) and len(data) != expected:
+    if isinstance(expected, int) and size != expected:
         raise CheckpointError(
             f"A checkpoint file has the wrong size (truncated?). Received: file '{path}' for "
-            f"variable '{key}' has {len(data)} bytes, the manifest says {expected}. Restore "
+            f"variable '{key}' has {size} bytes, the manifest says {expected}. Restore "
             f"another checkpoint.")
-    digest = hashlib.sha256(data).hexdigest()
     if digest != entry["sha256"]:
         raise CheckpointError(
             f"A checkpoint file does not match its checksum (corrupted). Received: file "
             f"'{path}' for variable '{key}' has sha256 {digest[:16]}…, the manifest says "
             f"{str(entry['sha256'])[:16]}…. Restore another checkpoint.")
-    return _decode(data, path, key, entry)
 
 
-def _decode(data: bytes, path: str, key: str, entry: dict[str, Any]) -> np.ndarray:
+class _HashingReader(io.RawIOBase):
+    def __init__(self, f: Any) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        n = int(self.f.readinto(buf))
+        self.sha.update(memoryview(buf)[:n])
+        self.size += n
+        return n
+
+
+def _read_npy(f: Any, path: str, key: str, expected: list[int]
+              ) -> tuple[np.ndarray, tuple[int, str]]:
+    """The array of an open ``.npy`` file, read into its own memory, and (bytes, sha256) of
+    the whole file. A header whose shape is not ``expected`` is refused before allocating."""
+    reader = _HashingReader(f)
+    stream = io.BufferedReader(reader, buffer_size=1 << 16)
     try:
-        array: np.ndarray = np.load(io.BytesIO(data), allow_pickle=False)
+        version = np.lib.format.read_magic(stream)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = read_header(stream)
+        if dtype.hasobject:
+            raise ValueError("object arrays are not stored in checkpoints")
+        if list(shape) != expected:
+            raise CheckpointError(
+                f"A checkpoint array must have the manifest's shape and dtype. Received: file "
+                f"'{path}' for variable '{key}' holds {tuple(shape)} {dtype}, the manifest "
+                f"says {tuple(expected)}. Restore another checkpoint.")
+        array = np.empty(shape, dtype=dtype, order="F" if fortran else "C")
+        view = array.reshape(-1, order="A").view(np.uint8).data
+        done = 0
+        while done < len(view):
+            n = stream.readinto(view[done:])
+            if not n:
+                raise ValueError(f"the file ends after {done} of {len(view)} data bytes")
+            done += n
+        while stream.read(1 << 16):  # trailing bytes (none in a valid file) still count
+            pass
     except (ValueError, OSError, EOFError) as e:
         raise CheckpointError(
             f"A checkpoint file is not a readable .npy array. Received: file '{path}' for "
             f"variable '{key}': {e}. Restore another checkpoint.") from e
+    return array, (reader.size, reader.sha.hexdigest())
+
+
+def _typed(array: np.ndarray, path: str, key: str, entry: dict[str, Any]) -> np.ndarray:
     name = entry["dtype"]
     if name in _STORED_AS:
         import ml_dtypes

@@ -254,8 +254,10 @@ def group_size(h5: h5py.File, group: str) -> int | None:
 class WeightsWriter:
     """Writes a Keras weights file group by group, as `H5IOStore` would (datasets in any order)."""
 
-    def __init__(self, path: str, layout: H5Layout) -> None:
+    def __init__(self, path: str, layout: H5Layout, attrs: dict[str, str] | None = None) -> None:
         self.h5 = h5py.File(path, "w")
+        for k, v in (attrs or {}).items():  # root attributes: Keras's loader reads none
+            self.h5.attrs[k] = v
         for group, metadata in layout.groups:
             node = self.h5.require_group(group)
             for k, v in metadata.items():

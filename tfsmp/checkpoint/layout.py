@@ -31,10 +31,24 @@ from tfsmp.runtime.checkpoint_keys import variable_keys
 if TYPE_CHECKING:
     from tfsmp.runtime.view import RankView
 
-__all__ = ["optimizer_state", "variable_keys"]
+__all__ = ["global_ids", "layout_of", "optimizer_state", "slot_reference", "variable_keys"]
 
 
-def _global_ids(optimizer: Any) -> set[int]:
+def layout_of(dm: Any) -> RankView:
+    """The checkpoint layout of a partitioned `DistributedModel`: its `RankView`.
+
+    Raises:
+        CheckpointError: the model is not partitioned yet.
+    """
+    view = dm.rank_view
+    if view is None:
+        raise CheckpointError(
+            "A checkpoint layout needs the partitioned model. Received: a DistributedModel "
+            "that has not run a step yet. Fix: call model.partition(x) or run a step first.")
+    return view  # type: ignore[no-any-return]
+
+
+def global_ids(optimizer: Any) -> set[int]:
     ids = {id(getattr(optimizer, "_iterations", None))}
     lr = getattr(optimizer, "_learning_rate", None)
     if isinstance(lr, keras.Variable):
@@ -56,12 +70,12 @@ def optimizer_state(optimizer: Any, layout: RankView
         layout.variables[k] for k in layout.held]
     prefixes = sorted(((str(v.path).replace("/", "_") + "_", v) for v in refs
                        if id(v) in layout.keys), key=lambda p: -len(p[0]))
-    glob = _global_ids(optimizer)
+    glob = global_ids(optimizer)
     slots: dict[tuple[str, str], Any] = {}
     globals_: dict[str, Any] = {}
     for ov in optimizer.variables:
         name = str(ov.name)
-        ref = None if id(ov) in glob else _reference(name, ov, prefixes)
+        ref = None if id(ov) in glob else slot_reference(name, ov, prefixes)
         if ref is None:
             if id(ov) not in glob and len(ov.shape) > 0:
                 raise CheckpointError(
@@ -76,7 +90,7 @@ def optimizer_state(optimizer: Any, layout: RankView
     return slots, globals_
 
 
-def _reference(name: str, ov: Any, prefixes: list[tuple[str, Any]]) -> tuple[str, Any] | None:
+def slot_reference(name: str, ov: Any, prefixes: list[tuple[str, Any]]) -> tuple[str, Any] | None:
     for prefix, v in prefixes:
         if name.startswith(prefix) and tuple(ov.shape) == tuple(v.shape):
             return prefix, v
@@ -99,8 +113,9 @@ def resolve_sagemaker_path(path: str) -> str:
     import os
 
     norm = path.rstrip("/")
-    if norm == "/opt/ml/checkpoints" and os.environ.get("TFSMP_CHECKPOINT_DIR"):
-        return os.environ["TFSMP_CHECKPOINT_DIR"]
+    local = "/opt/ml/checkpoints"  # checkpoint_local_path's default: the folder kept across attempts
+    if (norm == local or norm.startswith(local + "/")) and os.environ.get("TFSMP_CHECKPOINT_DIR"):
+        return os.environ["TFSMP_CHECKPOINT_DIR"] + norm[len(local):]
     if norm == "/opt/ml/model" and os.environ.get("SM_MODEL_DIR"):
         return os.environ["SM_MODEL_DIR"]
     base = os.environ.get("SAGEMAKER_BASE_DIR")

@@ -100,6 +100,13 @@ class CheckpointManager:
         self._directory = resolve_sagemaker_path(os.fspath(directory))
         self._max_to_keep = max_to_keep
         self._name = checkpoint_name
+        from tfsmp.runtime import preemption
+
+        preemption.register_saver(self)  # fit saves it on a preemption signal
+
+    def holds(self, model: Any) -> bool:
+        """Whether this manager checkpoints ``model`` (a `DistributedModel`)."""
+        return self._model is model
 
     @property
     def checkpoint(self) -> Any:
@@ -190,8 +197,12 @@ class CheckpointManager:
 
         dm = self._model
         if dm.rank_view is not None:
-            return store.restore_state(dm, path, optimizer=self._optimizer, extras=self._extras)
+            manifest = store.restore_state(dm, path, optimizer=self._optimizer,
+                                           extras=self._extras)
+            _note_replicas(dm, manifest)
+            return manifest
         manifest, done = store.restore_unpartitioned(dm, path, extras=self._extras)
+        _note_replicas(dm, manifest)
         weights = dm.source_model().weights  # none yet: a subclass is built at partitioning
         rest_of_model = not weights or any(id(v) not in done for v in weights)
         if self._optimizer is not None or rest_of_model:
@@ -202,6 +213,22 @@ class CheckpointManager:
 
             export.defer(dm, apply, weights=rest_of_model)
         return manifest
+
+
+def _note_replicas(dm: Any, manifest: dict[str, Any]) -> None:
+    """Logs when a checkpoint of d replicas is restored into another number of them (a job
+    relaunched on fewer hosts): `fit` keeps the global batch, an `smp.step` loop does not."""
+    st = dm.runtime_state()
+    saved = (manifest.get("topology") or {}).get("dp_size")
+    now = st.topology.dp_size
+    if saved is None or int(saved) == now or st.rank != 0:
+        return
+    _LOG.warning(
+        "Restored a checkpoint written by %d data-parallel replicas into %d. DistributedModel.fit "
+        "keeps the global batch (batch_size is split over the replicas); an smp.step loop feeds "
+        "each replica its own batch, so its global batch is now %d/%d of what it was: scale the "
+        "per-replica batch or the learning rate if that matters.", int(saved), now, now,
+        int(saved))
 
 
 def _exists_as_something(directory: str, restore_prefix: str | None) -> bool:

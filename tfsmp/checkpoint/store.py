@@ -423,13 +423,27 @@ def restore_state(dm: Any, path: str, *, optimizer: Any = None,
 
 def _assign_all(world: Any, path: str, reads: list[tuple[str, Any, Any]], errors: list[str]
                 ) -> None:
-    """Reads every planned array, agrees with every rank that nothing failed, then assigns."""
-    values = [(key, v, _try(errors, functools.partial(fmt.read_array, path, key, entry)))
-              for key, entry, v in reads]
+    """Verifies every planned array, agrees with every rank that nothing failed, then reads
+    and assigns them one at a time.
+
+    [Note: restoring within memory] A rank never holds its stages' arrays all at once besides
+    its variables: that would double what its weights and optimizer state take, enough to put
+    a rank near its memory cap over it. The first pass checks each file's size and checksum in
+    chunks (`fmt.verify_array`); once every rank agrees the checkpoint is sound, the second
+    reads each array into its own memory, assigns it and lets it go ([Note: streaming arrays]).
+    A file that changes between the passes still fails its checksum, on every rank alike.
+    """
+    for key, entry, _ in reads:
+        _try(errors, functools.partial(fmt.verify_array, path, key, entry))
     _agree(world, errors)
-    _LAST_READ[:] = [key for key, _, _ in values]
-    for _, v, array in values:
-        v.assign(array)
+    _LAST_READ[:] = [key for key, _, _ in reads]
+    late: list[str] = []
+    for key, entry, v in reads:
+        array = _try(late, functools.partial(fmt.read_array, path, key, entry))
+        if array is not None:
+            v.assign(array)
+        del array
+    _agree(world, late)
 
 
 def _trace_built(model: Any) -> Any:

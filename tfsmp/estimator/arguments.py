@@ -21,7 +21,7 @@ _IGNORED = frozenset({
     "subnets", "security_group_ids", "metric_definitions", "encrypt_inter_container_traffic",
     "use_spot_instances", "max_wait", "rules", "debugger_hook_config",
     "tensorboard_output_config", "enable_sagemaker_metrics", "profiler_config",
-    "disable_profiler", "max_retry_attempts", "container_log_level", "code_location",
+    "disable_profiler", "container_log_level", "code_location",
     "enable_network_isolation", "enable_infra_check", "enable_remote_debug",
     "enable_session_tag_chaining", "training_plan", "compiler_config", "script_mode",
     "training_repository_credentials_provider_arn",

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tfsmp.errors import ConfigError
+from tfsmp.estimator import retry
 from tfsmp.estimator.arguments import (
     check_kwargs,
     checked_instance_count,
@@ -71,7 +72,8 @@ class Estimator:
                  dependencies: Sequence[str | os.PathLike[str]] | None = None,
                  max_run: float = 24 * 60 * 60, model_uri: str | None = None,
                  model_channel_name: str = "model", input_mode: str = "File",
-                 disable_output_compression: bool = False, **kwargs: Any) -> None:
+                 disable_output_compression: bool = False,
+                 max_retry_attempts: int | None = None, **kwargs: Any) -> None:
         kwargs = check_kwargs(kwargs)
         instance_count = kwargs.pop("instance_count", instance_count)
         instance_type = kwargs.pop("instance_type", instance_type)
@@ -103,6 +105,8 @@ class Estimator:
             raise ConfigError("input_mode='Pipe' streams S3 data through named pipes, which a "
                               "local job cannot emulate. Received: input_mode='Pipe'. Use 'File'.")
         self.disable_output_compression = disable_output_compression
+        # [Note: retry strategy] in tfsmp/estimator/retry.py
+        self.max_retry_attempts = retry.check_retry_attempts(max_retry_attempts)
         if image_uri is not None:
             warnings.warn(f"image_uri={image_uri!r} is not pulled: the job runs in this Python "
                           f"environment ({sys.executable}). examples/docker/Dockerfile builds an "
@@ -158,7 +162,8 @@ class Estimator:
         materialize(self, plan)
         echo = logs not in (False, "None") and wait
         job = LocalTrainingJob(plan, self.max_run, self.output_path,
-                               compress=not self.disable_output_compression)
+                               compress=not self.disable_output_compression,
+                               max_retry_attempts=self.max_retry_attempts)
         self.latest_training_job, self._current_job_name = job, plan.name
         job.show_all = logs == "All"
         if echo:

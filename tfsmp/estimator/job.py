@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from tfsmp.estimator import retry
 from tfsmp.estimator.artifacts import (
     Snapshot,
     empty_model_message,
@@ -97,6 +98,10 @@ class LocalTrainingJob:
     # (job.log always has them). [Note: quiet start-up] in tfsmp/launch/output.py
     show_all: bool = False
     _before: Snapshot | None = field(default=None, repr=False)  # the job directory at the start
+    max_retry_attempts: int = 0  # [Note: retry strategy] in tfsmp/estimator/retry.py
+    attempt: int = 0
+    _attempt_env: dict[str, str] = field(default_factory=dict, repr=False)
+    _previous: Any = None
 
     @property
     def job_name(self) -> str:
@@ -132,11 +137,16 @@ class LocalTrainingJob:
         self._procs, self._threads = [], []
         log = self._log = open(self.log_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - wait() closes it
         lock = threading.Lock()
+        self._attempt_env = retry.attempt_env(self.job_dir, self.attempt)
+        if self.max_retry_attempts:  # the log shows every attempt
+            self._say(f"tfsmp: training job {self.job_name}, attempt {self.attempt + 1} of "
+                      f"{1 + self.max_retry_attempts}", log)
         tags = [f"[{host}] " for host in self.plan.hosts] if not self.plan.mpi and \
             len(self.plan.commands) > 1 else [""] * len(self.plan.commands)
         for argv, extra, tag in zip(self.plan.commands, self.plan.host_env, tags):
             proc = subprocess.Popen(
-                argv, cwd=self.plan.paths.code, env={**self.plan.env, **extra}, text=True,
+                argv, cwd=self.plan.paths.code, env={**self.plan.env, **extra,
+                                                     **self._attempt_env}, text=True,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                 errors="replace")
             self._procs.append(proc)
@@ -200,7 +210,7 @@ class LocalTrainingJob:
             self._log.close()
         codes = [p.wait() for p in self._procs]
         self.returncode = next((c for c in codes if c != 0), 0)
-        if self._relaunch():
+        if self._relaunch() or self._retry():
             self.wait(logs)
             return
         if self._timed_out:
@@ -241,6 +251,36 @@ class LocalTrainingJob:
         with open(self.log_path, "a", encoding="utf-8") as f:
             f.write("tfsmp: the MPI launcher failed before starting any rank (a transient Open "
                     "MPI start-up failure); launching the job again.\n")
+        self.start(self._echo)
+        return True
+
+    def _say(self, line: str, log: IO[str] | None = None) -> None:
+        """A line of the job's own in the job log (and on stdout when logs are echoed)."""
+        if log is not None:
+            log.write(line + "\n")
+        else:
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        if self._echo:
+            print(line, flush=True)
+
+    def _retry(self) -> bool:
+        """Runs the job again after an infrastructure failure, up to `max_retry_attempts`
+        times ([Note: retry strategy] in tfsmp/estimator/retry.py)."""
+        if self._timed_out or self.returncode == 0 or not self.max_retry_attempts:
+            return False
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            f.seek(self._log_start)
+            output = f.read()
+        decision = retry.decide(int(self.returncode or 0), output, self._attempt_env,
+                                self.attempt, self.max_retry_attempts, self._previous)
+        self._say(decision.line)
+        if not decision.retry:
+            return False
+        time.sleep(decision.wait)
+        self._previous = decision.outcome
+        self.attempt += 1
+        self.secondary_status = "Restarting"
         self.start(self._echo)
         return True
 
@@ -291,4 +331,7 @@ class LocalTrainingJob:
             out["ModelArtifacts"] = {"S3ModelArtifacts": self.model_data}
         if self.failure_reason:
             out["FailureReason"] = self.failure_reason
+        if self.max_retry_attempts:
+            out["RetryStrategy"] = {"MaximumRetryAttempts": self.max_retry_attempts}
+            out["Attempts"] = self.attempt + 1
         return out

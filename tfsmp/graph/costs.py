@@ -5,6 +5,12 @@ Example::
     flops = forward_flops(dense, args, kwargs, [x_spec], [y_spec])   # 2·d_in·units + ...
     seconds = profile(trace(model), x_batch)                         # {layer name: s/sample}
 
+[Note: reverse calls] A layer may be called in two modes: keras_hub's ``ReversibleEmbedding`` is a
+lookup (``E[ids]``) on the way in and, called with ``reverse=True`` as a tied LM head, the matmul
+``x · Eᵀ`` on the way out: 2·d·vocab FLOPs per position, forward, and twice that backward (``dx``
+and ``dE``). Costing the head as a lookup (one FLOP per logit) made the largest matmul of a GPT
+look free to the planner.
+
 [Note: FLOP conventions] One multiply-add counts 2 FLOPs. Estimates are per sample: the batch
 axis (axis 0) is dropped and unknown dimensions count as 1, as in `TensorInfo.bytes_per_sample`.
 Backward is 2× forward for a layer with trainable weights (``y = W·x`` needs ``dx = Wᵀ·dy`` and
@@ -15,10 +21,11 @@ get a conservative estimate: max(10 FLOPs per output element, 2 FLOPs per parame
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -28,7 +35,8 @@ from tfsmp.graph.ir import DTYPE_BYTES
 if TYPE_CHECKING:
     from tfsmp.graph.tracer import TracedModel
 
-__all__ = ["backward_flops", "forward_flops", "param_stats", "per_sample", "profile"]
+__all__ = ["backward_flops", "forward_flops", "input_shapes", "measure_activations",
+           "param_stats", "per_sample", "profile", "resolve_dims", "sample_batch"]
 
 Specs = Sequence[Any]  # KerasTensors (shape with batch axis, dtype)
 Rule = Callable[[Any, tuple[Any, ...], dict[str, Any], Specs, Specs], float]
@@ -150,6 +158,26 @@ def _bidirectional(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], in
     return 2 * _rnn(layer.forward_layer, args, kwargs, ins, outs)
 
 
+def _embedding(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
+    """A lookup costs one FLOP per output; keras_hub's ``ReversibleEmbedding`` called with
+    ``reverse=True`` (a tied LM head: ``logits = x · Eᵀ``) is the matmul it is, 2·d·vocab per
+    position. See [Note: reverse calls]."""
+    if _reverse_call(layer, args, kwargs):
+        d_in, vocab = int(ins[0].shape[-1]), _n(outs[0]) // max(_rows(ins[0]), 1)
+        return 2.0 * _rows(ins[0]) * d_in * vocab
+    return float(sum(_n(o) for o in outs))
+
+
+def _reverse_call(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if "reverse" in kwargs:
+        return bool(kwargs["reverse"])
+    try:
+        bound = inspect.signature(layer.call).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return False
+    return bool(bound.get("reverse", False))
+
+
 def _per_output(k: float) -> Rule:
     def rule(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ins: Specs, outs: Specs) -> float:
         return k * sum(_n(o) for o in outs)
@@ -183,7 +211,7 @@ _LAYER_RULES: dict[str, Rule] = {
     "Dense": _dense, "EinsumDense": _einsum_dense,
     "BaseConv": _conv, "BaseConvTranspose": _conv_transpose,
     "BaseDepthwiseConv": _depthwise, "BaseSeparableConv": _separable,
-    "Embedding": _per_output(1),
+    "Embedding": _embedding,
     "MultiHeadAttention": _mha, "GroupedQueryAttention": _gqa,
     "LayerNormalization": _per_output(8), "GroupNormalization": _per_output(8),
     "BatchNormalization": _per_output(4), "RMSNormalization": _per_output(4),
@@ -265,7 +293,9 @@ def _fallback(layer: Any, ins: Specs, outs: Specs) -> float:
 
 
 def backward_flops(op: Any, forward: float) -> float:
-    """Estimated backward FLOPs per sample. See [Note: FLOP conventions]."""
+    """Estimated backward FLOPs per sample. See [Note: FLOP conventions]; an ``Embedding``
+    subclass (keras_hub's ``ReversibleEmbedding``) counts 2x, right for its reverse (matmul)
+    calls, which dominate it ([Note: reverse calls])."""
     if not isinstance(op, keras.layers.Layer) or type(op).__name__ == "Embedding":
         return forward
     trainable = op.trainable and any(v.trainable for v in op.weights)
@@ -283,6 +313,117 @@ def param_stats(variables: Sequence[Any], trainable_ids: set[int]) -> tuple[int,
         if id(v) in trainable_ids:
             trainable += size
     return total, trainable, count
+
+
+# -- unknown dimensions --------------------------------------------------------------------------
+
+def input_shapes(traced: TracedModel, sample_input: Any) -> dict[str, tuple[int, ...]]:
+    """``{input key: per-sample shape}`` of a batch (arrays, tensors or specs as in ``model(x)``)."""
+    flat = traced.flatten_inputs(sample_input)
+    return {k: tuple(int(d) for d in tuple(getattr(v, "shape", ()))[1:])
+            for k, v in zip(traced.input_keys, flat)}
+
+
+def resolve_dims(traced: TracedModel, shapes: Mapping[str, Sequence[int]]) -> int:
+    """Costs every call again with the unknown dimensions these input shapes give them.
+
+    [Note: unknown dimensions] A model with ``Input(shape=(None,))`` (a sequence model, a
+    keras_hub backbone) is traced with its sequence length unknown, and per-sample estimates
+    counted such a dimension as 1: a Transformer block looked like one token. Given the
+    per-sample input shapes of the first batch (`tfsmp.runtime.setup` passes them) or of a
+    user's hint (``tfsmp plan --input-shape token_ids=1024``), every call is run on
+    ``keras.KerasTensor`` specs through its ``compute_output_spec`` (no weights are read), and
+    each node's FLOPs and activation bytes are computed again from the concrete shapes; each
+    tensor with unknown dimensions keeps its traced shape (the runtime still accepts other
+    lengths) and records the concrete one as ``TensorInfo.typical``, which byte estimates use.
+    A call whose spec cannot be computed keeps the traced estimates, and so do the calls after.
+
+    Args:
+        traced: the traced model (its graph is updated in place).
+        shapes: ``{input key or input name: per-sample shape}``; missing inputs keep theirs.
+
+    Returns:
+        How many tensors got concrete shapes.
+    """
+    import dataclasses
+
+    from tfsmp.graph.deferred import deferred_scope
+
+    graph = traced.graph
+    if not any(None in t.shape for t in graph.tensors.values()):
+        return 0
+    named = dict(zip(traced.input_names, traced.input_keys))
+    given = {named.get(k, k): tuple(int(d) for d in v) for k, v in shapes.items()}
+    env: dict[str, Any] = {}
+    for k in traced.input_keys:
+        info = graph.tensors[k]
+        per_sample = given.get(k) or tuple(d or 1 for d in info.shape)
+        env[k] = keras.KerasTensor((1, *per_sample), dtype=info.dtype)
+    costs: dict[str, list[float]] = {}
+    with deferred_scope():
+        for call in traced.calls:
+            found = _spec_costs(call, env)
+            if found is None:
+                break
+            fwd, act = found
+            c = costs.setdefault(call.layer_name, [0.0, 0.0, 0.0])
+            c[0] += fwd
+            c[1] += backward_flops(call.layer, fwd)
+            c[2] += act
+        else:
+            _update_nodes(graph, costs)
+    count = 0
+    for key, value in env.items():
+        tensor = graph.tensors.get(key)
+        if tensor is not None and None in tensor.shape and len(value.shape) == len(tensor.shape) + 1:
+            graph.tensors[key] = dataclasses.replace(
+                tensor, typical=tuple(int(d or 1) for d in value.shape[1:]))
+            count += 1
+    return count
+
+
+def _spec_costs(call: Any, env: dict[str, Any]) -> tuple[float, float] | None:
+    """(forward FLOPs, output bytes) of one call on concrete specs, writing its output specs
+    into ``env``; None when its spec cannot be computed."""
+    from keras import tree
+
+    values = {id(t): env[k] for t, k in zip(call.arguments.keras_tensors, call.input_keys)}
+    args, kwargs = call.arguments.fill_in(values)
+    try:
+        outs = tree.flatten(call.layer.compute_output_spec(*args, **kwargs))
+    except Exception:  # any layer's own failure: keep the traced estimates
+        return None
+    ins = [values[id(t)] for t in call.arguments.keras_tensors]
+    for key, value in zip(call.output_keys, outs):
+        env[key] = value
+    act = sum(math.prod(int(d or 1) for d in tuple(o.shape)[1:])
+              * DTYPE_BYTES.get(keras.backend.standardize_dtype(o.dtype), 4) for o in outs)
+    return forward_flops(call.layer, args, kwargs, ins, outs), float(act)
+
+
+def _update_nodes(graph: Any, costs: Mapping[str, list[float]]) -> None:
+    for name, (fwd, bwd, act) in costs.items():
+        node = graph.nodes.get(name)
+        if node is not None:
+            node.flops_forward, node.flops_backward = fwd, bwd
+            node.activation_bytes = int(act)
+
+
+def sample_batch(traced: TracedModel, rows: int = 2) -> Any:
+    """A batch of ``rows`` ones shaped like the model's inputs (unknown dimensions from
+    `resolve_dims`, else 1; ones: valid token ids, and masks that keep every position),
+    structured as ``model(x)`` takes it."""
+    import numpy as np
+
+    flat = []
+    for k in traced.input_keys:
+        info = traced.graph.tensors[k]
+        dims = info.typical if info.typical is not None else tuple(d or 1 for d in info.shape)
+        dtype = "bool" if info.dtype == "bool" else info.dtype
+        flat.append(np.ones((rows, *dims), dtype=dtype))
+    if len(flat) == 1:
+        return flat[0]
+    return dict(zip(traced.input_names, flat))
 
 
 # -- measurement -------------------------------------------------------------------------------
@@ -331,6 +472,145 @@ def profile(traced: TracedModel, sample_input: Any, layer_names: set[str] | None
     for name, s in seconds.items():
         traced.graph.nodes[name].measured_seconds = s
     return seconds
+
+
+def measure_activations(traced: TracedModel, sample_input: Any, training: bool = True
+                        ) -> dict[str, int]:
+    """Measures the bytes per sample each layer's calls keep for the backward pass and stores
+    them as the graph's ``activation_bytes``.
+
+    [Note: saved activations] What a stage holds between a microbatch's forward and its backward
+    is not the layers' outputs but what their gradients need: a Dense layer keeps its input, a
+    Transformer block its queries, keys, values, attention probabilities and feed-forward
+    activations (for GPT-2, about 20x its output per position, plus the heads' score
+    matrices). Estimating that per layer kind is guesswork, so it is measured: each call runs
+    once, eagerly, under a ``GradientTape`` on the activations the previous calls produced, and
+    TensorFlow's allocator reports how many bytes the call left allocated (its outputs and
+    what the tape keeps). Each call is a ``tf.function`` run under the tape, as a stage's
+    programs are: graph-mode gradients keep 0.4-0.45x what eager ones keep, op by op (measured
+    on GPT-2 and ResNet50). Layers are materialized one at a time, as in `profile`. Where the
+    allocator keeps no statistics (``TF_ENABLE_ONEDNN_OPTS=0`` on CPU) the outputs' bytes stay
+    and only operations and linear bytes are counted. Calls alike (`_signature`) are
+    measured once and their outputs reused, so a model of 32 equal blocks materializes one.
+
+    Args:
+        traced: the traced model (``graph.nodes[name].activation_bytes`` is updated).
+        sample_input: a batch of model inputs (one or a few samples suffice).
+        training: the ``training`` flag passed to the layers.
+
+    Returns:
+        ``{layer name: bytes per sample}`` of the layers measured.
+    """
+    import tensorflow as tf
+
+    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    try:
+        tf.config.experimental.get_memory_info(device)
+    except (ValueError, RuntimeError):
+        device = ""  # no allocator statistics (TF_ENABLE_ONEDNN_OPTS=0 on CPU): count only
+    env = traced.pack_inputs(sample_input)
+    batch = max(int(next(iter(env.values())).shape[0] or 1), 1) if env else 1
+    last_use = _last_use(traced)
+    saved: dict[str, int] = {}
+    for node in traced.graph:
+        node.ops = node.linear_bytes = 0
+    seen: dict[Any, tuple[int, int, int, list[Any]]] = {}
+    for i, call in enumerate(traced.calls):
+        inputs = [env[k] for k in call.input_keys]
+        variables = traced.variables_of([call.layer_name])
+        key = _signature(call, inputs, variables)
+        if key not in seen:
+            seen[key] = _measure_call(tf, device, call, inputs, variables, training, batch)
+        held, ops, linear, outputs = seen[key]
+        node = traced.graph.nodes[call.layer_name]
+        node.ops += ops
+        node.linear_bytes += linear
+        saved[call.layer_name] = saved.get(call.layer_name, 0) + held
+        env.update(zip(call.output_keys, outputs))
+        for k in [k for k, last in last_use.items() if last == i]:
+            env.pop(k, None)
+    for name, nbytes in saved.items():
+        node = traced.graph.nodes[name]
+        node.activation_bytes = max(nbytes, node.activation_bytes)
+    return saved
+
+
+def _signature(call: Any, inputs: Sequence[Any], variables: Sequence[Any]) -> Any:
+    """Calls alike in class, configuration, input and variable shapes keep alike: each such
+    signature is measured once (a Transformer's blocks, a stack of equal layers), so only a
+    few layers are ever materialized and run."""
+    layer = call.layer
+    try:
+        config = {k: v for k, v in layer.get_config().items() if k not in ("name", "trainable")}
+        text = repr(sorted(config.items()))
+    except Exception:  # a layer without a config: measured on its own
+        text = str(id(layer))
+    return (type(layer).__name__, text,
+            tuple((tuple(x.shape), str(x.dtype)) for x in inputs),
+            tuple((tuple(v.shape), str(v.dtype), v.trainable) for v in variables))
+
+
+def _measure_call(tf: Any, device: str, call: Any, inputs: list[Any], variables: list[Any],
+                  training: bool, batch: int) -> tuple[int, int, int, list[Any]]:
+    """(bytes kept per sample, forward graph operations, linear bytes per sample, outputs) of
+    one call, with its variables materialized for the measurement only."""
+    from tfsmp.graph.deferred import is_deferred, materialize, release
+
+    def current() -> int:
+        return int(tf.config.experimental.get_memory_info(device)["current"]) if device else 0
+
+    fresh = materialize([v for v in variables if is_deferred(v)])
+    try:
+        run = tf.function(functools.partial(_run_call, call, training=training))
+        before = current()
+        with tf.GradientTape(persistent=True) as tape, _LinearBytes() as linear:
+            tape.watch([x for x in inputs if x.dtype.is_floating])
+            outputs = run(*inputs)
+        held = current() - before
+        del tape
+        ops = len(run.get_concrete_function(*inputs).graph.get_operations())
+        return max(held, 0) // batch, ops, linear.total // batch, list(outputs)
+    finally:
+        release(fresh)
+
+
+class _LinearBytes:
+    """Counts the bytes of the inputs and outputs of Dense and EinsumDense calls traced inside
+    it (the tensors a zero-bubble W keeps, [Note: split backward] in tfsmp/runtime/deferred.py)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._saved: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> _LinearBytes:
+        for klass in (keras.layers.Dense, keras.layers.EinsumDense):
+            original = klass.call
+
+            def call(layer: Any, x: Any, *args: Any, __original: Any = original,
+                     **kwargs: Any) -> Any:
+                y = __original(layer, x, *args, **kwargs)
+                self.total += _nbytes(x) + _nbytes(y)
+                return y
+
+            self._saved.append((klass, original))
+            klass.call = call
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for klass, original in self._saved:
+            klass.call = original
+
+
+def _nbytes(t: Any) -> int:
+    shape = tuple(getattr(t, "shape", ()))
+    size = math.prod(int(d or 1) for d in shape)
+    return size * DTYPE_BYTES.get(keras.backend.standardize_dtype(getattr(t, "dtype", "float32")), 4)
+
+
+def _run_call(call: Any, *inputs: Any, training: bool) -> list[Any]:
+    env = dict(zip(call.input_keys, inputs))
+    call.run(env, training)
+    return [env[k] for k in call.output_keys]
 
 
 def _last_use(traced: TracedModel) -> dict[str, int]:

@@ -82,18 +82,21 @@ def optimizer_slots(optimizer: str | None) -> float:
 class TensorInfo:
     """One tensor of the model: its key (see [Note: tensor keys]), producer and per-sample shape.
 
-    ``shape`` excludes the batch axis; ``None`` entries are dimensions unknown until run time
-    (they count as 1 in byte estimates).
+    ``shape`` excludes the batch axis; ``None`` entries are dimensions unknown until run time.
+    ``typical`` is the shape they had in a sample batch or a user's hint (`tfsmp.graph.costs.
+    resolve_dims`); byte estimates use it, else count unknown dimensions as 1.
     """
 
     key: str
     producer: str
     shape: tuple[int | None, ...]
     dtype: str = "float32"
+    typical: tuple[int, ...] | None = None
 
     @property
     def bytes_per_sample(self) -> int:
-        n = math.prod(d if d is not None else 1 for d in self.shape)
+        dims = self.typical if self.typical is not None else self.shape
+        n = math.prod(d if d is not None else 1 for d in dims)
         return int(n) * DTYPE_BYTES.get(self.dtype, 4)
 
 
@@ -115,6 +118,10 @@ class LayerNode:
         calls: how many times the layer is called in the model (by this node).
         layer: the Keras layer whose calls this node runs, when not ``name`` (a tied copy,
             see [Note: tied copies]).
+        ops: TensorFlow operations of its calls' forward graphs (0: not measured), which the
+            memory model prices ([Note: memory model] in tfsmp/partitioning/memory.py).
+        linear_bytes: bytes per sample of the inputs and outputs of the Dense and EinsumDense
+            layers its calls run (0: not measured): what a zero-bubble W keeps.
     """
 
     name: str
@@ -129,6 +136,8 @@ class LayerNode:
     variables: tuple[str, ...] = ()
     calls: int = 1
     layer: str = ""
+    ops: int = 0
+    linear_bytes: int = 0
 
     @property
     def keras_layer(self) -> str:

@@ -187,6 +187,18 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def wrapped(self) -> keras.Model | None:
         return self._wrapped
 
+    # [issue 21 hook] keras.callbacks.BackupAndRestore requires `model.built`: a wrapped model
+    # that is built, or a partitioned one, is built; otherwise Keras's own flag decides.
+    @property
+    def built(self) -> bool:
+        wrapped = self.__dict__.get("_wrapped")
+        return bool(self.__dict__.get("_tfsmp_built") or self.__dict__.get("_engine") is not None
+                    or (wrapped is not None and wrapped.built))
+
+    @built.setter
+    def built(self, value: bool) -> None:
+        self.__dict__["_tfsmp_built"] = bool(value)
+
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
                 metrics: Any = None, weighted_metrics: Any = None, **kwargs: Any) -> None:
         if kwargs.get("jit_compile") is True:
@@ -234,6 +246,12 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         Keras's `BackupAndRestore` resumes (``epoch=None``: at `fit`'s own ``initial_epoch``);
         `fit` forgets it once it has started there."""
         self._initial_epoch, self._initial_step = epoch, step
+
+    def resume_position(self) -> tuple[int, int]:
+        """``(epoch, step)`` where the next `fit` starts, as `resume_at` set it (``(0, 0)``:
+        at the beginning, or at `fit`'s ``initial_epoch``)."""
+        return (int(getattr(self, "_initial_epoch", None) or 0),
+                int(getattr(self, "_initial_step", 0) or 0))
 
     def engine_for(self, sample_x: Any) -> Any:
         if self._engine is not None:
@@ -447,8 +465,11 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         source = BatchSource(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
                              seed=seed, steps_per_epoch=steps_per_epoch, class_weight=class_weight)
         verbose = 1 if verbose == "auto" else verbose
+        from tfsmp.checkpoint import fit_resume  # [issue 21 hook] BackupAndRestore, preemption
+
         cb = keras.callbacks.CallbackList(
-            callbacks, add_history=True, add_progbar=bool(verbose) and self._state.rank == 0,
+            fit_resume.fit_callbacks(self, source, callbacks), add_history=True,
+            add_progbar=bool(verbose) and self._state.rank == 0,
             model=self, verbose=verbose, epochs=epochs, steps=source.num_batches)
         self.stop_training = False
         self._prepare_checkpoint_dirs(cb)

@@ -4,6 +4,8 @@ Example::
 
     tfsmp plan my_models:build_resnet --partitions 4 --batch-size 32 --out plan.json --out plan.svg
     tfsmp plan path/to/model.py:make --partitions 2 --optimize memory
+    tfsmp plan my_models:gpt --partitions 4 --batch-size 8 --microbatches 4 \
+        --input-shape token_ids=1024 --memory-per-rank 2.5G     # fits? if not, what would
 
 ``FUNCTION`` is called without arguments and returns a Keras model. ``MODULE`` is a dotted module
 name importable from the current directory, or a path to a ``.py`` file.
@@ -91,12 +93,18 @@ def _plan(args: argparse.Namespace) -> int:
     from tfsmp.partitioning.report import draw_plan, format_report
 
     model = load_function(args.model)()
-    plan, graph = plan_model(
-        model, args.partitions, optimize=args.optimize, batch_size=args.batch_size,
-        memory_weight=args.memory_weight, method=args.method, optimizer=args.optimizer)
+    optimizer = args.optimizer or optimizer_name(model)
+    if _memory_wanted(args):
+        plan, graph, memory_text = _memory_plan(args, model, optimizer)
+    else:
+        plan, graph = plan_model(
+            model, args.partitions, optimize=args.optimize, batch_size=args.batch_size,
+            memory_weight=args.memory_weight, method=args.method, optimizer=optimizer)
+        memory_text = ""
     print(format_report(plan, graph, optimize=args.optimize, memory_weight=args.memory_weight,
-                        optimizer=args.optimizer or optimizer_name(model),
-                        batch_size=args.batch_size or 1))
+                        optimizer=optimizer, batch_size=args.batch_size or 1))
+    if memory_text:
+        print(memory_text)
     for out in args.out or []:
         path = Path(out)
         if path.suffix.lower() == ".json":
@@ -105,6 +113,62 @@ def _plan(args: argparse.Namespace) -> int:
             draw_plan(plan, graph, path)
         print(f"wrote {path}")
     return 0
+
+
+def _memory_wanted(args: argparse.Namespace) -> bool:
+    return any(getattr(args, name, None) for name in (
+        "memory_per_rank", "input_shape", "microbatches", "pipeline", "baseline"))
+
+
+def _input_shapes(specs: list[str] | None) -> dict[str, tuple[int, ...]]:
+    """``["token_ids=1024", "image=224x224x3"]`` -> ``{name: per-sample shape}``."""
+    from tfsmp.errors import ConfigError
+
+    out = {}
+    for spec in specs or []:
+        name, _, dims = spec.partition("=")
+        try:
+            out[name] = tuple(int(d) for d in dims.lower().split("x"))
+        except ValueError:
+            out[name] = ()
+        if not name or not out[name] or min(out[name]) < 1:
+            raise ConfigError(
+                f"--input-shape takes NAME=D1xD2... (an input's per-sample shape). Received: "
+                f"{spec!r}. Example: --input-shape token_ids=1024.")
+    return out
+
+
+def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
+                 ) -> tuple[Any, Any, str]:
+    """[Note: memory model] in tfsmp/partitioning/memory.py: the plan (within
+    ``--memory-per-rank`` under ``--optimize memory``), each rank's predicted peak and, when it
+    does not fit, what would."""
+    from tfsmp.graph import costs
+    from tfsmp.graph.tracer import trace
+    from tfsmp.launch.memcap import parse_size
+    from tfsmp.partitioning.memory import BASELINE_BYTES, MemorySettings, predict_memory
+    from tfsmp.partitioning.memory_plan import what_fits
+    from tfsmp.partitioning.planner import plan_graph
+    from tfsmp.partitioning.report import format_memory
+
+    cap = parse_size(args.memory_per_rank) if args.memory_per_rank else None
+    traced = trace(model, batch_size=args.batch_size)
+    costs.resolve_dims(traced, _input_shapes(args.input_shape))
+    if not args.no_measure:
+        costs.measure_activations(traced, costs.sample_batch(traced, rows=2))
+    settings = MemorySettings(
+        partitions=args.partitions, microbatches=args.microbatches or 1,
+        pipeline=args.pipeline or "interleaved", batch_size=args.batch_size or 1,
+        optimize=args.optimize, optimizer=optimizer,
+        baseline=parse_size(args.baseline) if args.baseline else BASELINE_BYTES)
+    plan = plan_graph(traced.graph, args.partitions * settings.virtual_stages,
+                      optimize=args.optimize, memory_weight=args.memory_weight,
+                      method=args.method, optimizer=optimizer, batch_size=args.batch_size or 1,
+                      memory=settings, memory_cap=cap)
+    ranks = predict_memory(plan, traced.graph, settings)
+    fits = cap is None or all(r.total <= cap for r in ranks)
+    hints = [] if fits else what_fits(traced.graph, settings, cap or 0.0)
+    return plan, traced.graph, format_memory(ranks, cap, hints)
 
 
 def register(subparsers: Any) -> None:
@@ -125,6 +189,22 @@ def register(subparsers: Any) -> None:
                    help="planner (auto: run both, keep the better objective)")
     p.add_argument("--optimizer", default=None,
                    help="optimizer name for optimizer-state memory (default: adam)")
+    p.add_argument("--memory-per-rank", metavar="SIZE",
+                   help="each rank's memory, e.g. 2.5G: report whether the plan fits and, if not, "
+                        "what would (with --optimize memory, plan within it)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step, for the memory prediction (default 1)")
+    p.add_argument("--pipeline", choices=("interleaved", "simple", "zb-h1"), default=None,
+                   help="schedule, for the memory prediction (default interleaved)")
+    p.add_argument("--input-shape", action="append", metavar="NAME=D1xD2",
+                   help="per-sample shape of an input with unknown dimensions, e.g. "
+                        "token_ids=1024 (repeatable); costs use it")
+    p.add_argument("--baseline", metavar="SIZE",
+                   help="a rank's memory before any model (imports, MPI), if not the 248 MiB "
+                        "measured with TensorFlow 2.21 on CPU (keras_hub adds about 45 MiB)")
+    p.add_argument("--no-measure", action="store_true",
+                   help="do not run the layers once to measure what they keep for backward "
+                        "(estimate it from their outputs)")
     p.add_argument("--out", action="append", metavar="PATH",
                    help="write the plan: .json (StagePlan.to_json), .png/.svg/.pdf (drawing); "
                         "repeatable")

@@ -178,10 +178,15 @@ def run(args: argparse.Namespace) -> int:
         hosts = resolve_hosts(args)
         np, config_json, dist_mpi_args = resolve_launch_options(args, hosts=hosts)
         interface = _interface(args, hosts, os.environ)
+        cap_prefix, cap_env = _memory_cap(args)
     except ConfigError as e:
         print(f"tfsmp run: error: {e}", file=sys.stderr)
         return 2
+    from tfsmp.launch import restart  # [issue 21 hook] --max-restarts
+
+    restart.prepare_environ(args)
     user_env = dict(item.split("=", 1) if "=" in item else (item, None) for item in args.env or [])
+    user_env.update(cap_env)
     # Ranks on this host inherit the environment; the other hosts' ranks only get `-x` names.
     env = {**(forwarded_env(os.environ) if hosts else {}), **user_env}
     argv = build_mpirun_command(
@@ -189,14 +194,28 @@ def run(args: argparse.Namespace) -> int:
         hosts=[str(h) for h in hosts] if args.hosts else None, env=env,
         extra_mpi_args=[*dist_mpi_args, *shlex.split(args.mpi_args or "")],
         tag_output=args.tag_output, mpirun=find_mpirun(), network_interface=interface,
-        rank_guard=bool(hosts))
+        rank_guard=bool(hosts) or bool(getattr(args, "max_restarts", 0)),
+        rank_prefix=cap_prefix)
     if args.dry_run:
         print(shlex.join(argv))
         return 0
     sys.stdout.flush()
     from tfsmp.launch.output import run_filtered, tf_logs_wanted
 
-    return run_filtered(argv, tf_logs=args.tf_logs or tf_logs_wanted())
+    tf_logs = args.tf_logs or tf_logs_wanted()
+    if getattr(args, "max_restarts", 0):  # [issue 21 hook] relaunch after a failure
+        return restart.run(args, argv, hosts, np, config_json, tf_logs=tf_logs)
+    return run_filtered(argv, tf_logs=tf_logs)
+
+
+def _memory_cap(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """`--memory-per-rank`: each rank's cgroup, or TF's GPU limit (`tfsmp.launch.memcap`)."""
+    size = getattr(args, "memory_per_rank", None)
+    if not size:
+        return [], {}
+    from tfsmp.launch.memcap import launch_setup
+
+    return launch_setup(size)
 
 
 def register(subparsers: Any) -> None:
@@ -220,6 +239,10 @@ def register(subparsers: Any) -> None:
                         "interface of the route to the hosts")
     p.add_argument("-x", "--env", action="append", metavar="NAME[=VALUE]",
                    help="export an environment variable to every rank (repeatable)")
+    p.add_argument("--memory-per-rank", metavar="SIZE",
+                   help="cap every rank's memory, e.g. 2.5G (K/M/G/T = powers of 1024): one "
+                        "memory cgroup per rank on CPU hosts (a rank above it is killed), "
+                        "TensorFlow's device memory limit on GPU hosts")
     p.add_argument("--mpi-args", help="extra mpirun flags, appended verbatim (quote them)")
     p.add_argument("--no-tag-output", dest="tag_output", action="store_false",
                    help="do not prefix output lines with [job,rank]")
@@ -227,6 +250,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tf-logs", action="store_true",
                    help="show TensorFlow's start-up log lines, which tfsmp run drops (also: env "
                         "TFSMP_TF_LOGS=1); see [Note: quiet start-up] in tfsmp/launch/output.py")
+    from tfsmp.launch.restart import add_arguments  # [issue 21 hook] --max-restarts ...
+
+    add_arguments(p)
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)

@@ -132,6 +132,7 @@ def build_mpirun_command(
     cores: int | None = None,
     network_interface: str | None = None,
     rank_guard: bool = False,
+    rank_prefix: Sequence[str] = (),
 ) -> list[str]:
     """Builds the argv of an Open MPI 5 `mpirun` launch of a Python script.
 
@@ -155,6 +156,8 @@ def build_mpirun_command(
             traffic and out-of-band channel; None lets Open MPI choose.
         rank_guard: Run each rank under `tfsmp.launch.rankguard`, which names the rank and host
             of a rank killed by a signal (see [Note: who died] there).
+        rank_prefix: A command each rank runs the rest under (before the guard and Python),
+            e.g. `tfsmp.launch.memcap.rank_prefix` for a per-rank memory cap.
 
     Returns:
         The argv list (pass to subprocess; `shlex.join` it for display).
@@ -180,6 +183,7 @@ def build_mpirun_command(
     argv += _interface_flags(network_interface)
     argv += _env_flags({**(env or {}), **({CONFIG_ENV: config_json} if config_json else {})})
     argv += list(extra_mpi_args)
+    argv += list(rank_prefix)
     argv += [python, "-m", "tfsmp.launch.rankguard"] if rank_guard else []
     argv += [python, "-m", "mpi4py"] if use_mpi4py_module else [python]
     return argv + list(script_argv)

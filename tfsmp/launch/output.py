@@ -28,7 +28,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 __all__ = ["TF_LOGS_ENV", "OutputFilter", "run_filtered", "tf_logs_wanted"]
@@ -125,13 +125,20 @@ def _pump(source: IO[bytes], sink: IO[str], keep: OutputFilter) -> None:
     sink.flush()
 
 
-def run_filtered(argv: Sequence[str], *, tf_logs: bool = False) -> int:
+def run_filtered(argv: Sequence[str], *, tf_logs: bool = False,
+                 env: Mapping[str, str] | None = None,
+                 started: Callable[[subprocess.Popen[bytes]], object] | None = None) -> int:
     """Runs `argv` (an mpirun line) with its stderr passed through `OutputFilter`.
 
     Stdout is untouched (Keras progress bars redraw with carriage returns). Returns the exit code.
+    ``env``: the process's environment (default: this one's); ``started(proc)`` is called once
+    it runs (`tfsmp.launch.restart` relays signals to it).
     """
     keep = OutputFilter(tf_logs=tf_logs)
-    with subprocess.Popen(list(argv), stderr=subprocess.PIPE) as proc:
+    with subprocess.Popen(list(argv), stderr=subprocess.PIPE,
+                          env=None if env is None else dict(env)) as proc:
+        if started is not None:
+            started(proc)
         if proc.stderr is None:  # pragma: no cover - stderr=PIPE always gives one
             return proc.wait()
         pump = threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, keep), daemon=True)

@@ -23,19 +23,24 @@ import subprocess
 import sys
 from types import FrameType
 
+from tfsmp import relaunch
+
 __all__ = ["main", "message"]
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
+def _name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "unknown signal"
+
+
 def message(rank: str, signum: int, host: str, pid: int) -> str:
     """The line the guard prints for a rank killed by `signum`."""
-    try:
-        name = signal.Signals(signum).name
-    except ValueError:
-        name = "unknown signal"
-    return (f"[rank {rank}] killed by signal {signum} ({name}) on host {host} (pid {pid}); "
-            "the job ends\n")
+    return (f"[rank {rank}] killed by signal {signum} ({_name(signum)}) on host {host} "
+            f"(pid {pid}); the job ends\n")
 
 
 def main(argv: list[str]) -> int:
@@ -49,6 +54,8 @@ def main(argv: list[str]) -> int:
                          "nothing. Fix: python -m tfsmp.launch.rankguard python -m mpi4py x.py\n")
         return 2
     child = subprocess.Popen(argv)
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "?"))
+    relaunch.record_rank_event("start", rank)  # [Note: lost daemons] in tfsmp/relaunch.py
     forwarded: list[int] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -58,13 +65,16 @@ def main(argv: list[str]) -> int:
     for signum in _FORWARDED:
         signal.signal(signum, forward)
     code = child.wait()
+    relaunch.record_rank_event("exit", rank, code)
     if code >= 0:
         return code
     if -code in forwarded:  # mpirun tearing the job down: not news, and not this rank's fault
         return 128 - code
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "?"))
     sys.stderr.write(message(rank, -code, socket.gethostname(), child.pid))
     sys.stderr.flush()
+    # for a launcher that relaunches the job ([Note: restart records] in tfsmp/relaunch.py)
+    relaunch.record_failure(f"rank {rank}", f"killed by signal {-code} ({_name(-code)})",
+                            pid=child.pid, rank=rank)
     with contextlib.suppress(OSError, ValueError):  # SIGKILL's disposition cannot be set
         signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)

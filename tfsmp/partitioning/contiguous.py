@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -34,13 +35,34 @@ from tfsmp.errors import PartitionError
 if TYPE_CHECKING:  # planner imports this module; it only hands us its Problem
     from tfsmp.partitioning.planner import Problem
 
-__all__ = ["min_bottleneck", "partition_contiguous", "split_sequence"]
+__all__ = ["MemoryLimits", "min_bottleneck", "partition_contiguous", "split_sequence",
+           "split_within_memory"]
 
 _TOL = 1e-9  # relative: the tolerance `planner.better` treats as a tie
 _BLOCK_ELEMENTS = 2_000_000  # cells of the cost matrix held at once (16 MB)
 _BLOCK_WIDTH = 128  # columns per block: narrow blocks let the weight cap skip most rows
 
 Array = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """Per-stage memory limits of a contiguous split ([Note: memory limits]).
+
+    ``fixed[p]``/``held[p]`` are prefix sums over items of the bytes a stage holds whatever
+    the schedule and per microbatch it holds; ``count[t]`` is how many microbatches stage
+    ``t`` holds at its peak and ``limit[t]`` its budget: a run ``[i, j)`` may be stage ``t``
+    when ``fixed[j] - fixed[i] + count[t] * (held[j] - held[i]) <= limit[t]``.
+    """
+
+    fixed: Array
+    held: Array
+    count: tuple[float, ...]
+    limit: tuple[float, ...]
+
+    def allowed(self, t: int, i: Any, j: Any) -> Any:
+        return (self.fixed[j] - self.fixed[i] + self.count[t] * (self.held[j] - self.held[i])
+                <= self.limit[t])
 
 
 def partition_contiguous(problem: Problem, num_stages: int,
@@ -108,6 +130,33 @@ def split_sequence(weights: Sequence[float], cuts: Sequence[float], num_stages: 
     return _fewest_bytes(prefix, price, cut, k, limit, heaviest)
 
 
+def split_within_memory(weights: Sequence[float], cuts: Sequence[float], num_stages: int,
+                        limits: MemoryLimits, kappa: float = 0.0) -> list[int] | None:
+    """Like `split_sequence` with every run within its stage's memory budget and no weight
+    cap: the least bottleneck cost among the splits that fit, then the fewest bytes. None when
+    no split fits. See [Note: memory limits].
+
+    [Note: memory limits] ``optimize: memory`` first keeps every stage within its memory and
+    then balances compute: a run may be stage ``t`` only if its bytes fit stage ``t``'s budget,
+    which depends on ``t`` because the schedule does (1F1B's first stage holds p microbatches,
+    its last one). The two passes of [Note: contiguous DP] then run over the allowed runs only.
+    """
+    n, k = len(weights), num_stages
+    if not 1 <= k <= n or len(cuts) != n + 1:
+        raise PartitionError(
+            f"A contiguous split needs 1 <= num_stages <= items and one cut per position. "
+            f"Received: num_stages={k}, items={n}, len(cuts)={len(cuts)}.")
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(weights, dtype=np.float64))])
+    cut = np.asarray(cuts, dtype=np.float64).copy()
+    cut[0] = cut[n] = 0.0
+    price = kappa * cut
+    best = _bottleneck(prefix, price, k, math.inf, limits)
+    if best == math.inf:
+        return None
+    limit = best + _TOL * max(abs(best), 1e-300)
+    return _fewest_bytes(prefix, price, cut, k, limit, math.inf, limits)
+
+
 def min_bottleneck(weights: Sequence[float], num_stages: int) -> float:
     """The least possible weight of the heaviest run when splitting ``weights`` into
     ``num_stages`` contiguous runs."""
@@ -127,47 +176,56 @@ def _blocks(prefix: Array, heaviest: float) -> list[tuple[int, int, int]]:
     return out
 
 
-def _costs(prefix: Array, price: Array, i0: int, j0: int, j1: int, heaviest: float) -> Array:
+def _costs(prefix: Array, price: Array, i0: int, j0: int, j1: int, heaviest: float,
+           limits: MemoryLimits | None = None, t: int = 0) -> Array:
     """``cost(i, j)`` for ``i`` in ``[i0, j1)`` (rows) and ``j`` in ``[j0, j1)`` (columns); inf
-    where ``i >= j`` or the run weighs more than ``heaviest``."""
+    where ``i >= j``, the run weighs more than ``heaviest`` or does not fit stage ``t``."""
     i = np.arange(i0, j1)[:, None]
     j = np.arange(j0, j1)[None, :]
     weight = prefix[j] - prefix[i]
     c = weight + (price[i] + price[j])
-    return np.where((i < j) & (weight <= heaviest), c, np.inf)
+    ok = (i < j) & (weight <= heaviest)
+    if limits is not None:
+        ok &= limits.allowed(t, i, j)
+    return np.where(ok, c, np.inf)
 
 
-def _first_row(prefix: Array, price: Array, heaviest: float) -> Array:
+def _first_row(prefix: Array, price: Array, heaviest: float,
+               limits: MemoryLimits | None = None) -> Array:
     weight = prefix - prefix[0]
-    row: Array = np.where(weight <= heaviest, weight + (price[0] + price), np.inf)
+    ok = weight <= heaviest
+    if limits is not None:
+        ok &= limits.allowed(0, 0, np.arange(len(prefix)))
+    row: Array = np.where(ok, weight + (price[0] + price), np.inf)
     row[0] = np.inf
     return row
 
 
-def _bottleneck(prefix: Array, price: Array, k: int, heaviest: float) -> float:
+def _bottleneck(prefix: Array, price: Array, k: int, heaviest: float,
+                limits: MemoryLimits | None = None) -> float:
     n = len(prefix) - 1
-    f = _first_row(prefix, price, heaviest)
+    f = _first_row(prefix, price, heaviest, limits)
     blocks = _blocks(prefix, heaviest)
-    for _ in range(2, k + 1):
+    for t in range(1, k):
         nxt = np.full(n + 1, np.inf)
         for i0, j0, j1 in blocks:
-            costs = _costs(prefix, price, i0, j0, j1, heaviest)
+            costs = _costs(prefix, price, i0, j0, j1, heaviest, limits, t)
             nxt[j0:j1] = np.maximum(f[i0:j1, None], costs).min(axis=0)
         f = nxt
     return float(f[n])
 
 
 def _fewest_bytes(prefix: Array, price: Array, cut: Array, k: int, limit: float,
-                  heaviest: float) -> list[int]:
+                  heaviest: float, limits: MemoryLimits | None = None) -> list[int]:
     n = len(prefix) - 1
-    h = np.where(_first_row(prefix, price, heaviest) <= limit, cut, np.inf)
+    h = np.where(_first_row(prefix, price, heaviest, limits) <= limit, cut, np.inf)
     blocks = _blocks(prefix, heaviest)
     back: list[npt.NDArray[np.intp]] = []
-    for _ in range(2, k + 1):
+    for t in range(1, k):
         nxt = np.full(n + 1, np.inf)
         arg = np.zeros(n + 1, dtype=np.intp)
         for i0, j0, j1 in blocks:
-            ok = _costs(prefix, price, i0, j0, j1, heaviest) <= limit
+            ok = _costs(prefix, price, i0, j0, j1, heaviest, limits, t) <= limit
             m = np.where(ok, h[i0:j1, None], np.inf)
             a = m.argmin(axis=0)
             arg[j0:j1] = a + i0

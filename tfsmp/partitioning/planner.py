@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tfsmp.errors import ConfigError, PartitionError
 from tfsmp.graph.ir import LayerGraph
@@ -40,6 +41,9 @@ from tfsmp.partitioning.contiguous import min_bottleneck, partition_contiguous
 from tfsmp.partitioning.manual import plan_manual
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.partitioning.ties import GroupTie, group_ties
+
+if TYPE_CHECKING:
+    from tfsmp.partitioning.memory import MemorySettings
 
 __all__ = [
     "BYTES_PER_SECOND",
@@ -438,9 +442,14 @@ def plan_graph(graph: LayerGraph, num_stages: int, *, optimize: str = "speed",
                memory_weight: float | None = None, method: str = "auto",
                manual: Mapping[str, int] | None = None, default_partition: int | None = None,
                contiguous: bool = True, optimizer: str | None = None, batch_size: int = 1,
-               flops_per_byte: float = FLOPS_PER_BYTE, step_samples: int | None = None
+               flops_per_byte: float = FLOPS_PER_BYTE, step_samples: int | None = None,
+               memory: MemorySettings | None = None, memory_cap: float | None = None
                ) -> StagePlan:
     """Splits ``graph`` into ``num_stages`` ordered stages.
+
+    With ``optimize="memory"`` and no ``memory_weight``, the plan keeps every rank within
+    ``memory_cap`` bytes (predicted by `tfsmp.partitioning.memory`) and among those plans
+    balances compute ([Note: memory plans]); without a cap it is the compute plan.
 
     Args:
         graph: the layer graph (`tfsmp.graph.tracer.trace(model).graph`).
@@ -458,6 +467,9 @@ def plan_graph(graph: LayerGraph, num_stages: int, *, optimize: str = "speed",
         flops_per_byte: the objective's price of a boundary byte, in FLOPs.
         step_samples: samples per optimizer step, to price tied copies' gradient reduction
             (default ``batch_size``; [Note: pricing copies] in `ties.py`).
+        memory: how the plan will run (schedule, microbatches, batch), for memory plans
+            (default: ``num_stages`` ranks, one microbatch of ``batch_size``).
+        memory_cap: bytes each rank may use (``tfsmp run --memory-per-rank``), memory plans.
 
     Returns:
         A validated `StagePlan` whose notes record the objective.
@@ -478,8 +490,19 @@ def plan_graph(graph: LayerGraph, num_stages: int, *, optimize: str = "speed",
                              optimizer=optimizer, batch_size=batch_size,
                              flops_per_byte=flops_per_byte, step_samples=step_samples)
 
+    if optimize == "memory" and memory_weight is None:  # [Note: memory plans]
+        from tfsmp.partitioning.memory import MemorySettings
+        from tfsmp.partitioning.memory_plan import plan_within_memory
+
+        settings = memory or MemorySettings(partitions=num_stages, batch_size=batch_size,
+                                            optimizer=optimizer)
+        compute = plan_graph(graph, num_stages, optimize="speed", method=method,
+                             contiguous=contiguous, optimizer=optimizer, batch_size=batch_size,
+                             flops_per_byte=flops_per_byte, step_samples=step_samples)
+        return plan_within_memory(graph, num_stages, settings, memory_cap, compute,
+                                  flops_per_byte=flops_per_byte, step_samples=step_samples)
     problem = problem_of(graph)
-    _check_feasible(problem, num_stages)
+    check_feasible(problem, num_stages)
     name, stage, notes = _best_automatic(problem, num_stages, method, contiguous)
     if graph.ties:
         name, stage, notes = _tie_candidates(graph, problem, problem_of(graph.with_ties_colocated()),
@@ -534,7 +557,7 @@ def _best_automatic(problem: Problem, k: int, method: str,
     return best[0], best[1], notes
 
 
-def _check_feasible(problem: Problem, k: int) -> None:
+def check_feasible(problem: Problem, k: int) -> None:
     layers = [n for g in problem.groups for n in g]
     if k < 1:
         raise PartitionError(f"num_stages must be at least 1. Received: num_stages={k}")

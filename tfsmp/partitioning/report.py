@@ -17,11 +17,13 @@ from typing import Any
 from tfsmp.errors import ConfigError
 from tfsmp.graph.ir import LayerGraph
 from tfsmp.partitioning.contiguous import split_sequence
+from tfsmp.partitioning.memory import RankMemory
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.partitioning.planner import IMBALANCE_TARGET, vertex_weights
 from tfsmp.partitioning.ties import copy_memory
 
-__all__ = ["IMBALANCE_TARGET", "draw_plan", "explain_imbalance", "format_report", "stage_shares"]
+__all__ = ["IMBALANCE_TARGET", "draw_plan", "explain_imbalance", "format_memory", "format_report",
+           "stage_shares"]
 
 _MAX_BOXES = 250  # above this many layers `draw_plan` draws a stage strip instead of boxes
 _IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
@@ -135,6 +137,37 @@ def format_report(plan: StagePlan, graph: LayerGraph, *, optimize: str = "speed"
     if reason:
         lines.append(reason)
     lines.extend(f"note: {n}" for n in plan.notes)
+    return "\n".join(lines)
+
+
+def format_memory(ranks: Sequence[RankMemory], cap: float | None = None,
+                  suggestions: Sequence[str] = ()) -> str:
+    """Each rank's predicted peak memory by part ([Note: memory model] in memory.py) and,
+    with ``cap``, whether it fits and, if not, what would (``suggestions``)."""
+    rows = [["rank", "stages", "weights", "optimizer", "accumulators", "activations",
+             "buffers", "baseline", "peak"]]
+    for r in ranks:
+        p = r.parts()
+        rows.append([str(r.rank), ",".join(map(str, r.stages)), _bytes(p["weights"]),
+                     _bytes(p["optimizer"]), _bytes(p["accumulators"]),
+                     _bytes(p["activations"]), _bytes(p["buffers"]), _bytes(p["baseline"]),
+                     _bytes(r.total)])
+    lines = ["Predicted peak memory per rank (a memory cgroup's maximum usage):", *_table(rows)]
+    if cap is None:
+        return "\n".join(lines)
+    over = [r for r in ranks if r.total > cap]
+    if not over:
+        worst = max(ranks, key=lambda r: r.total)
+        lines.append(f"fits: every rank within {_bytes(cap)} per rank (largest: rank "
+                     f"{worst.rank}, {_bytes(worst.total)}, {worst.total / cap:.0%} of the cap)")
+        return "\n".join(lines)
+    names = ", ".join(f"rank {r.rank} ({_bytes(r.total)})" for r in over)
+    lines.append(f"does not fit {_bytes(cap)} per rank: {names}")
+    if suggestions:
+        lines.append("would fit: " + "; or ".join(suggestions))
+    else:
+        lines.append("nothing tried fits (more partitions, optimize 'memory', more "
+                     "microbatches): a larger cap, or a smaller batch")
     return "\n".join(lines)
 
 

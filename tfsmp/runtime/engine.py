@@ -58,6 +58,7 @@ from tfsmp.runtime.executor import (
 )
 from tfsmp.runtime.fused_step import OneCallStep
 from tfsmp.runtime.hooks import Head, StageResult, StepMode
+from tfsmp.runtime.memory import DirectUpdate
 from tfsmp.runtime.objective import Objective
 from tfsmp.runtime.optimizer_options import OptimizerBridge
 from tfsmp.runtime.stage import StageProgram
@@ -135,10 +136,14 @@ class Engine:
         # [Note: split stages] in stage.py: a stage with W actions defers weight gradients to W
         weighted = {a.stage for a in self._train_actions if a.op is Op.WEIGHT}
         self.objective = objective
+        # [Note: direct update] in tfsmp/runtime/memory.py: whether stages may update their
+        # variables inside their backward (then they make no accumulators), and whether they do
+        self._direct_possible = self._can_update_directly(plan, weighted)
+        self._direct = False
         self.programs = {
             s: StageProgram(traced, plan, s, optimize=config.optimize, objective=objective,
                             jit_compile=bool(config.xla), relax_shapes=self._dynamic_inputs(),
-                            split=s in weighted)
+                            split=s in weighted, accumulate=not self._direct_possible)
             for s in self.stages}
         self.last_rank = self.placement.last_rank
         self.is_last_rank = self.pipe_rank == self.last_rank
@@ -156,6 +161,7 @@ class Engine:
         self._executor: Executor | None = None  # the one that ran the last step
         self._executors: dict[tuple[int, int], Executor] = {}
         self._reducers: dict[tuple[Any, ...], _FusedReducer] = {}
+        self._sparse_union: dict[int, set[int]] = {}  # [Note: sparse agreement] in `reduce`
         self._eval_actions: dict[int, list[Action]] = {}
         self._step_shape = StepShape(0, (0,), 0, 0, 0, 0)  # the last training step's
         self._idle_actions: dict[int, list[Action]] = {}
@@ -167,6 +173,13 @@ class Engine:
         self.set_optimizer(optimizer)
         self.broadcast_from_first_replica()
         self.ties.sync()  # copies of tied variables start identical
+
+    def _can_update_directly(self, plan: StagePlan, weighted: set[int]) -> bool:
+        """[Note: direct update]: one microbatch, one replica, one unsplit stage per rank, no
+        tied copies, no XLA and ``nonfinite='raise'`` (the optimizer is checked when set)."""
+        return (self.m == 1 and self.dp_size == 1 and len(self.stages) == 1 and not weighted
+                and not any(t.copies > 1 for t in plan.ties) and not self.config.xla
+                and self.config.nonfinite == "raise")
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -422,12 +435,24 @@ class Engine:
         self._one_call = None
         self._bridge = None
         if optimizer is None:
+            self._set_updates(False)
             return
         if not optimizer.built:
             optimizer.build(self.variables)
         self._bridge = OptimizerBridge(optimizer, self.variables, self._counted_here(),
                                        self.comm.pipeline, xla=bool(self.config.xla),
                                        rank_tag=self.rank_tag)
+        # [Note: direct update]: an optimizer with nothing beyond Keras's own apply that
+        # updates variable by variable; otherwise the stages accumulate
+        self._set_updates(self._direct_possible and self._bridge.plain
+                          and DirectUpdate.possible(optimizer))
+
+    def _set_updates(self, direct: bool) -> None:
+        """Stages update inside their backward, or accumulate ([Note: direct update])."""
+        if self._direct_possible:
+            for prog in self.programs.values():
+                prog.set_update(DirectUpdate(self.optimizer) if direct else None)
+        self._direct = direct
 
     def _counted_here(self) -> list[bool]:
         """Per variable of this rank: whether its pipeline rank is the one that counts it once
@@ -607,16 +632,21 @@ class Engine:
             self._sync_statistics(stage)
         if self.dp_size == 1 or not prog.trainable:
             return
-        sparse = set(grads.sparse_indices())
-        # a variable is sparse on every replica or on none: the same graph, and zero rows
-        # still give an (empty) IndexedSlices; replicas without rows add their zeros densely
-        with _watched(f"the sparse gradients of stage {stage} (an allgather)"):
-            gathered = self.comm.data.allgather_obj(grads.host_sparse())
-        sparse |= {i for g in gathered for i in g}
-        if sparse:
-            grads.combine_replicas(
-                [{i: (tf.constant(v), tf.constant(x)) for i, (v, x) in g.items()} for g in gathered
-                 if g])
+        # [Note: sparse agreement] A variable is sparse on every replica or on none (one
+        # graph), except on a replica without rows in the batch, which has no parts. The first
+        # step's reduction therefore agrees on the set in one allgather; later steps gather
+        # sparse parts only for stages that have some, and reduce the rest densely at once.
+        known = self._sparse_union.get(stage)
+        sparse = set(grads.sparse_indices()) | (known or set())
+        if known is None or known:
+            with _watched(f"the sparse gradients of stage {stage} (an allgather)"):
+                gathered = self.comm.data.allgather_obj(grads.host_sparse())
+            sparse |= {i for g in gathered for i in g}
+            self._sparse_union[stage] = set(sparse)
+            if sparse:
+                grads.combine_replicas(
+                    [{i: (tf.constant(v), tf.constant(x)) for i, (v, x) in g.items()}
+                     for g in gathered if g])
         accs = [a for i, a in enumerate(grads.accumulators) if i not in sparse]
         if self._horovod is not None:
             summed = self._horovod.grouped_allreduce([a.value() for a in accs],
@@ -672,6 +702,8 @@ class Engine:
         if not finite:
             self._nonfinite(report)
             return
+        if self._direct:
+            return  # each variable was updated in its stage's backward ([Note: direct update])
         self.ties.reduce()  # sum tied copies' gradients over their stages, before the step
         if not self.variables or self._bridge is None:
             return
@@ -695,6 +727,7 @@ class Engine:
         raise StepError(
             f"{self.rank_tag} Non-finite values at step {self.steps}: loss of microbatch(es) "
             f"{mbs or 'none'} on the last stage; gradients of {where or 'no stage'}. "
+            f"{_DIRECT_NOTE if self._direct else ''}"
             f"Lower the learning rate, check the data, or set nonfinite='skip' to skip such "
             f"updates on every rank.")
 
@@ -743,6 +776,10 @@ class _FusedReducer:
     def scatter(self, flat: np.ndarray, scale: float) -> None:
         """Assigns ``flat * scale`` back to the variables."""
         self._scatter(as_tensor(flat), tf.constant(scale, tf.float64))
+
+
+_DIRECT_NOTE = ("With one microbatch each stage updates its variables during its backward "
+                "pass ([Note: direct update]), so variables with finite gradients were updated. ")
 
 
 def _watched(what: str) -> Any:

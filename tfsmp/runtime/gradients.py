@@ -72,12 +72,14 @@ def combine_parts(parts: list[SparsePart], rule: str, what: str = "") -> SparseP
 class GradientState:
     """Everything one stage's programs produce as gradients in one step. See the module docstring."""
 
-    def __init__(self, stage: int, trainable: list[Any]) -> None:
+    def __init__(self, stage: int, trainable: list[Any], accumulate: bool = True) -> None:
         self.stage = stage
         self.trainable = trainable
-        self.accumulators = [
-            tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False, name=f"acc_{stage}_{i}")
-            for i, v in enumerate(trainable)]
+        # none when the stage updates its variables inside its backward ([Note: direct update]
+        # in tfsmp/runtime/memory.py)
+        self.accumulators: list[tf.Variable] = []
+        if accumulate:
+            self.ensure_accumulators()
         # [Note: fresh accumulators] The first microbatch of a step *assigns* its weight
         # gradients and later ones add to them, so accumulators are never zeroed: 0 + g == g
         # exactly, and this saves a read and a write of every gradient per step.
@@ -89,6 +91,13 @@ class GradientState:
         self._flags: list[tuple[int, tf.Tensor]] = []  # [Note: finite flags] in stage.py
         self.collected: dict[int, list[Any]] = {}  # [Note: collect mode] in stage.py
         self.losses: dict[int, tf.Tensor] = {}  # microbatch -> the stage's layer losses
+
+    def ensure_accumulators(self) -> None:
+        """Makes the accumulators, one per trainable variable, unless they exist."""
+        if not self.accumulators:
+            self.accumulators = [
+                tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False,
+                            name=f"acc_{self.stage}_{i}") for i, v in enumerate(self.trainable)]
 
     # -- a step --------------------------------------------------------------------------------
 

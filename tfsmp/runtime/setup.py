@@ -18,7 +18,8 @@ __all__ = ["build_engine", "make_plan", "make_schedule"]
 
 
 def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str, int] | None = None,
-              *, keep_ties: bool = False, step_samples: int | None = None) -> StagePlan:
+              *, keep_ties: bool = False, step_samples: int | None = None,
+              data_parallel: int = 1) -> StagePlan:
     """The plan for ``config``: from ``partition_file``, manual scopes, or the automatic planners.
 
     ``keep_ties``: plan tied layers onto one stage where the model allows it (an SMP-style
@@ -42,11 +43,19 @@ def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str,
     graph = traced.graph
     if keep_ties and config.auto_partition:
         graph = _ties_together(graph, config.num_stages)
+    from tfsmp.partitioning.memory import cap_from_environment, settings_of
+
+    # optimize="memory" without a memory_weight: the best compute split within the rank's
+    # memory cap ([Note: memory plans] in tfsmp/partitioning/memory_plan.py)
+    weight = config.memory_weight if config.optimize == "memory" else config.effective_memory_weight
     return plan_graph(
         graph, config.num_stages, optimize=config.optimize,
-        memory_weight=config.effective_memory_weight, method=method, manual=manual or {},
+        memory_weight=weight, method=method, manual=manual or {},
         default_partition=config.default_partition, contiguous=config.contiguous,
-        optimizer=opt_name, step_samples=step_samples)
+        optimizer=opt_name, step_samples=step_samples,
+        memory=settings_of(config, opt_name, (step_samples or 1) // max(data_parallel, 1),
+                           data_parallel),
+        memory_cap=cap_from_environment())
 
 
 def _ties_together(graph: Any, num_stages: int) -> Any:
@@ -56,6 +65,21 @@ def _ties_together(graph: Any, num_stages: int) -> Any:
     together = graph.with_ties_colocated()
     groups = [g for g in together.groups() if any(not together.nodes[n].is_input for n in g)]
     return together if len(groups) >= num_stages else graph
+
+
+def _cost_with_batch(traced: Any, sample_x: Any) -> None:
+    """Costs unknown dimensions with the first batch's shapes ([Note: unknown dimensions] in
+    tfsmp/graph/costs.py). What layers keep for backward is not measured here: running layers
+    on world rank 0 before it takes its stage leaves pages in TensorFlow's allocator (measured:
+    more than 150 MiB for one Dense(4096) layer, which made a rank near its cap fail), so a
+    memory plan here counts layer outputs; `tfsmp plan --memory-per-rank ... --out plan.json`
+    measures them in a process of its own, and ``partition_file`` runs that plan."""
+    from tfsmp.graph import costs
+
+    try:
+        costs.resolve_dims(traced, costs.input_shapes(traced, sample_x))
+    except Exception:  # only estimates: a batch the tracer cannot read keeps the traced ones
+        return
 
 
 def _rows(sample_x: Any) -> int | None:
@@ -106,12 +130,14 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
     world = state.comm.world
     text = None
     if world.rank == 0:
+        _cost_with_batch(traced, sample_x)
         if profile_batch is not None:
             from tfsmp.graph.costs import profile
 
             profile(traced, profile_batch)
         text = make_plan(traced, config, optimizer, manual, keep_ties=subclassed,
-                         step_samples=_rows(sample_x)).to_json()
+                         step_samples=_rows(sample_x),
+                         data_parallel=state.comm.data.size).to_json()
     plan = StagePlan.from_json(world.bcast_obj(text, root=0))
     # the one placement of the job: stage -> pipeline rank (tfsmp/schedule/placement.py)
     placement = Placement.for_pipeline(config.pipeline, config.partitions, config.chunks)

@@ -54,6 +54,7 @@ from tfsmp.runtime import deferred
 from tfsmp.runtime import layer_losses as ll
 from tfsmp.runtime.gradients import CONCAT, SUM, GradientState
 from tfsmp.runtime.hooks import StageResult, StepMode
+from tfsmp.runtime.memory import DirectUpdate
 from tfsmp.runtime.objective import Consts, Objective
 
 if TYPE_CHECKING:
@@ -128,6 +129,7 @@ class StageProgram:
         jit_compile: bool = False,
         relax_shapes: bool = False,
         split: bool = False,
+        accumulate: bool = True,
     ) -> None:
         self.stage = stage
         self.is_last = stage == plan.num_stages - 1
@@ -142,7 +144,8 @@ class StageProgram:
         self.output_keys = list(traced.output_keys) if self.is_last else []
         self.trainable = [v for v in traced.variables_of(names) if v.trainable]
         self.non_trainable = [v for v in traced.variables_of(names) if not v.trainable]
-        self.grads = GradientState(stage, self.trainable)  # [Note: gradient state]
+        self.grads = GradientState(stage, self.trainable, accumulate)  # [Note: gradient state]
+        self.update: DirectUpdate | None = None  # [Note: direct update] in memory.py
         self._diff_recv = [i for i, b in enumerate(self.recv) if is_differentiable(b.dtype)]
         self._diff_send = [i for i, b in enumerate(self.send) if is_differentiable(b.dtype)]
         self.objective = objective
@@ -166,6 +169,7 @@ class StageProgram:
         self._fwd_split = compile_fn(self._forward_split_fn)
         self._weight = compile_fn(self._weight_fn)
         self._accumulate = tf.function(self._accumulate_fn)
+        self._direct = tf.function(self._direct_fn)
         # [Note: collect mode] `@smp.step` returns every microbatch's gradients (StepOutput),
         # so with `collect` set the weight gradients are kept per microbatch, not summed.
         self.collect = False
@@ -181,6 +185,16 @@ class StageProgram:
     @property
     def accumulators(self) -> list[tf.Variable]:
         return self.grads.accumulators
+
+    def set_update(self, update: DirectUpdate | None) -> None:
+        """Updates this stage's variables inside its backward with ``update``'s optimizer, or
+        (None) accumulates their gradients for the engine's step; programs trace anew."""
+        self.update = update
+        if update is None:
+            self.grads.ensure_accumulators()
+        self._bwd_recompute = self._compile_fn(self._backward_recompute_fn)
+        self._fused = self._compile_fn(self._fused_fn)
+        self._direct = tf.function(self._direct_fn)
 
     def set_objective(self, objective: Objective | None) -> None:
         """Trains with another compiled loss from now on: the fused last stage traces anew."""
@@ -244,6 +258,8 @@ class StageProgram:
             out[i] = tf.convert_to_tensor(grads[n + j])
         if collect:
             return out, [tf.convert_to_tensor(g) for g in grads[:n]], {}, tf.constant(True)
+        if self.update is not None:  # [Note: direct update]
+            return out, {}, {}, self.update.apply(list(grads[:n]), self.trainable)
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
         extras: dict[str, tf.Tensor] = {}
         flags: list[tf.Tensor] = []
@@ -323,6 +339,9 @@ class StageProgram:
                  consts: tf.Tensor) -> tuple[list[tf.Tensor], list[tf.Tensor], list[Any], tf.Tensor]:
         sends, outputs, layer_loss = self._run(inputs, recv, training, consts)
         return sends, outputs, _masks_of(outputs), layer_loss
+
+    def _direct_fn(self, grads: list[Any]) -> tf.Tensor:
+        return self.update.apply(grads, self.trainable)  # type: ignore[union-attr]
 
     def _accumulate_fn(self, grads: list[tf.Tensor | None], first: bool) -> tf.Tensor:
         return _all([_accumulate_into(acc, g, first)
@@ -488,6 +507,9 @@ class StageProgram:
             out[r] = tf.convert_to_tensor(grads[n + j])
         if self.collect:
             self.grads.collected[i] = [tf.convert_to_tensor(g) for g in grads[:n]]
+            return out
+        if self.update is not None:  # [Note: direct update]
+            self.grads.add_flag(i, self._direct(list(grads[:n])))
             return out
         dense: list[Any] = []
         extras: dict[str, Any] = {}

@@ -1,0 +1,212 @@
+"""The per-rank memory model, memory plans and the memory report (pure: hand-built graphs)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import graphs
+import numpy as np
+import pytest
+
+from tfsmp.partitioning.contiguous import MemoryLimits, split_within_memory
+from tfsmp.partitioning.memory import (
+    BASELINE_BYTES,
+    RUNTIME_BYTES,
+    MemorySettings,
+    cap_from_environment,
+    predict_memory,
+    stage_counts,
+)
+from tfsmp.partitioning.memory_plan import what_fits
+from tfsmp.partitioning.plan import StagePlan
+from tfsmp.partitioning.planner import plan_graph
+from tfsmp.partitioning.report import format_memory
+
+MiB = 2**20
+
+
+def _chain(n: int = 8, params: int = 1_000_000, width: int = 4096, saved: int | None = None
+           ) -> object:
+    g = graphs.chain(n, params=[params] * n, widths=[width] * n)
+    for node in g:
+        if not node.is_input and saved is not None:
+            node.activation_bytes = saved
+    return g
+
+
+def _even(g: object, k: int) -> StagePlan:
+    names = [n.name for n in g if not n.is_input]  # type: ignore[attr-defined]
+    per = len(names) // k
+    return StagePlan.from_assignment(g, {n: min(i // per, k - 1) for i, n in enumerate(names)}, k)
+
+
+def test_state_is_weights_optimizer_slots_and_accumulators() -> None:
+    g = _chain()
+    plan = _even(g, 2)
+    layer = 4 * 1_000_000
+    ranks = predict_memory(plan, g, MemorySettings(partitions=2, microbatches=4, batch_size=8,
+                                                   optimizer="adam"))
+    for r in ranks:
+        assert (r.weights, r.optimizer, r.accumulators) == (4 * layer, 8 * layer, 4 * layer)
+        assert r.baseline >= BASELINE_BYTES + RUNTIME_BYTES  # plus allocator slack
+        assert r.total == sum(r.parts().values())
+    sgd = predict_memory(plan, g, MemorySettings(partitions=2, microbatches=4, optimizer="sgd"))
+    assert all(r.optimizer == 0 for r in sgd)
+
+
+def test_one_microbatch_updates_directly_and_keeps_no_accumulators() -> None:
+    g = _chain()
+    plan = _even(g, 2)
+    for pipeline, direct in (("interleaved", True), ("simple", True), ("zb-h1", False)):
+        ranks = predict_memory(plan, g, MemorySettings(partitions=2, microbatches=1,
+                                                       pipeline=pipeline))
+        assert all(r.direct is direct for r in ranks), pipeline
+        assert all((r.accumulators == 0) is direct for r in ranks), pipeline
+    skip = predict_memory(plan, g, MemorySettings(partitions=2, nonfinite="skip"))
+    assert all(r.accumulators > 0 for r in skip)  # a skipped step must change nothing
+
+
+def test_schedules_hold_what_they_should() -> None:
+    # p = 4, m = 8: GPipe holds every microbatch, 1F1B p - r on rank r, zb-h1 at least as many
+    p, m = 4, 8
+    gpipe = stage_counts(MemorySettings(partitions=p, microbatches=m, pipeline="simple"), p)
+    one_f = stage_counts(MemorySettings(partitions=p, microbatches=m), p)
+    zb = stage_counts(MemorySettings(partitions=p, microbatches=m, pipeline="zb-h1"), p)
+    assert gpipe == [m, m, m, 0]  # the fused last stage stashes nothing
+    assert one_f == [4, 3, 2, 0]
+    assert all(z >= o for z, o in zip(zb, one_f)) and zb[-1] >= 1  # W waits on every stage
+
+
+def test_activations_grow_with_held_microbatches_in_speed_mode() -> None:
+    g = _chain(saved=4 * MiB)
+    plan = _even(g, 4)
+
+    def acts(pipeline: str, optimize: str) -> list[int]:
+        s = MemorySettings(partitions=4, microbatches=8, pipeline=pipeline, batch_size=64,
+                           optimize=optimize)
+        return [r.activations for r in predict_memory(plan, g, s)]
+
+    speed_gpipe, speed_1f1b = acts("simple", "speed"), acts("interleaved", "speed")
+    assert speed_gpipe[0] > speed_1f1b[0] > speed_1f1b[2]  # m vs p - r microbatches
+    assert acts("simple", "memory")[0] < speed_gpipe[0]  # memory mode stashes only inputs
+    # one microbatch's recomputed activations: 8 samples x 2 layers x 4 MiB
+    assert acts("interleaved", "memory")[0] >= 8 * 2 * 4 * MiB
+
+
+def test_receive_buffers_hold_the_whole_batch_both_ways() -> None:
+    g = _chain(width=1024)
+    plan = _even(g, 2)
+    ranks = predict_memory(plan, g, MemorySettings(partitions=2, microbatches=4, batch_size=32))
+    assert ranks[0].buffers == ranks[1].buffers == 32 * 1024 * 4
+
+
+def test_tied_copies_add_their_state_and_reduction() -> None:
+    g = graphs.tied_embedding()
+    names = [n.name for n in g if not n.is_input]
+    plan = StagePlan.from_assignment(g, {n: (0 if i < len(names) // 2 else 1)
+                                         for i, n in enumerate(names)}, 2)
+    assert any(t.copies > 1 for t in plan.ties)
+    ranks = predict_memory(plan, g, MemorySettings(partitions=2, microbatches=1))
+    assert not any(r.direct for r in ranks)  # tied gradients are summed before the step
+    copy = next(t for t in plan.ties if t.copies > 1)
+    assert ranks[1].weights >= copy.param_bytes
+
+
+def test_cap_comes_from_the_environment() -> None:
+    assert cap_from_environment({"TFSMP_MEMORY_PER_RANK": "2684354560"}) == 2684354560
+    assert cap_from_environment({}) is None
+    assert cap_from_environment({"TFSMP_MEMORY_PER_RANK": "x"}) is None
+
+
+# -- memory plans -----------------------------------------------------------------------------
+
+def _heavy_first(n: int = 8) -> object:
+    """A chain whose first layer has 6x the weights of the others (an embedding)."""
+    g = graphs.chain(n, params=[30_000_000] + [5_000_000] * (n - 1))
+    return g
+
+
+def test_without_a_cap_the_memory_plan_is_the_compute_plan() -> None:
+    g = _heavy_first()
+    speed = plan_graph(g, 4, optimize="speed")
+    memory = plan_graph(g, 4, optimize="memory")
+    assert dict(memory.stage_of) == dict(speed.stage_of)
+    assert any("predicted peak per rank" in n for n in memory.notes)
+
+
+def test_with_a_cap_the_plan_fits_and_is_the_best_compute_split_that_does() -> None:
+    g = _heavy_first()
+    s = MemorySettings(partitions=4, batch_size=8)
+    speed = plan_graph(g, 4, optimize="speed")
+    worst = max(r.total for r in predict_memory(speed, g, s))
+    cap = worst * 0.97  # the compute plan does not fit; the first layer alone on a stage does
+    plan = plan_graph(g, 4, optimize="memory", memory=s, memory_cap=cap)
+    assert max(r.total for r in predict_memory(plan, g, s)) <= cap
+    names = [n.name for n in g if not n.is_input]
+    best = math.inf
+    for cuts in itertools.combinations(range(1, len(names)), 3):
+        bounds = [0, *cuts, len(names)]
+        stage_of = {n: next(k for k in range(4) if bounds[k] <= i < bounds[k + 1])
+                    for i, n in enumerate(names)}
+        candidate = StagePlan.from_assignment(g, stage_of, 4)
+        if max(r.total for r in predict_memory(candidate, g, s)) <= cap:
+            best = min(best, max(st.compute for st in candidate.stages))
+    assert max(st.compute for st in plan.stages) == pytest.approx(best)
+    assert max(st.compute for st in plan.stages) > max(st.compute for st in speed.stages)
+
+
+def test_a_cap_nothing_fits_gives_the_leanest_plan_and_says_so() -> None:
+    g = _heavy_first()
+    s = MemorySettings(partitions=4, batch_size=8)
+    plan = plan_graph(g, 4, optimize="memory", memory=s, memory_cap=100 * MiB)
+    assert any("nothing fits" in n for n in plan.notes)
+
+
+def test_what_fits_names_more_partitions_and_more_microbatches() -> None:
+    g = _chain(n=16, params=4_000_000, saved=2 * MiB)
+    s = MemorySettings(partitions=2, microbatches=1, batch_size=64, optimize="speed")
+    worst = max(r.total for r in predict_memory(plan_graph(g, 2), g, s))
+    hints = what_fits(g, s, worst * 0.8)
+    assert any(h.startswith("partitions=") for h in hints)
+
+
+def test_split_within_memory_equals_brute_force() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n, k = int(rng.integers(3, 8)), int(rng.integers(1, 4))
+        k = min(k, n)
+        w = rng.random(n)
+        fixed = np.concatenate([[0.0], np.cumsum(rng.random(n))])
+        held = np.concatenate([[0.0], np.cumsum(rng.random(n) * 0.2)])
+        counts = tuple(float(c) for c in rng.integers(0, 4, k))
+        limit = tuple(float(x) for x in rng.random(k) * 3 + 0.5)
+        limits = MemoryLimits(fixed, held, counts, limit)
+        got = split_within_memory(list(w), [0.0] * (n + 1), k, limits)
+        best = math.inf
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            b = [0, *cuts, n]
+            if all(limits.allowed(t, b[t], b[t + 1]) for t in range(k)):
+                best = min(best, max(sum(w[b[t]:b[t + 1]]) for t in range(k)))
+        if got is None:
+            assert best == math.inf
+            continue
+        b = [*got, n]
+        assert all(limits.allowed(t, b[t], b[t + 1]) for t in range(k))
+        assert max(sum(w[b[t]:b[t + 1]]) for t in range(k)) == pytest.approx(best)
+
+
+# -- the report -------------------------------------------------------------------------------
+
+def test_memory_report_says_whether_it_fits_and_what_would() -> None:
+    g = _chain()
+    ranks = predict_memory(_even(g, 2), g, MemorySettings(partitions=2, batch_size=8))
+    text = format_memory(ranks, cap=10 * 2**30)
+    assert text.splitlines()[1].split() == ["rank", "stages", "weights", "optimizer",
+                                            "accumulators", "activations", "buffers",
+                                            "baseline", "peak"]
+    assert "fits: every rank within 10.0 GiB per rank" in text
+    text = format_memory(ranks, cap=100 * MiB, suggestions=["partitions=4 (largest rank 0.1 GiB)"])
+    assert "does not fit 100.0 MiB per rank: rank 0" in text
+    assert "would fit: partitions=4 (largest rank 0.1 GiB)" in text
+    assert "nothing tried fits" in format_memory(ranks, cap=100 * MiB)

@@ -1,0 +1,408 @@
+"""Each pipeline rank's peak memory, predicted before launch from the plan and the schedule.
+
+Pure: imports neither TensorFlow nor Keras.
+
+Example::
+
+    settings = MemorySettings(partitions=4, microbatches=8, pipeline="interleaved",
+                              batch_size=64, optimizer="adam")
+    ranks = predict_memory(plan, graph, settings)    # one RankMemory per pipeline rank
+    ranks[0].total, ranks[0].parts()                 # bytes, and what they are made of
+    fits(ranks, cap=2.5 * 2**30)                     # every rank within the cap?
+
+[Note: memory model] A rank's peak is the sum of what it holds for the whole run and the most
+it holds at once during a step:
+
+    peak = baseline + weights + optimizer state + accumulators + receive buffers
+           + max over the rank's actions (activations held + the action's working set)
+
+- *baseline*: the process before any model (Python, TensorFlow, Keras, MPI: `BASELINE_BYTES`,
+  measured here as a memory cgroup's usage), what running the first step adds besides tensors
+  (kernel caches, thread stacks: `RUNTIME_BYTES`), the stage programs' graphs (`OP_BYTES` per
+  operation of the stages' forward graphs, counted by `tfsmp.graph.costs.measure_activations`)
+  and the pages TensorFlow's allocator keeps beyond its peak (`ALLOCATOR_SLACK` of it).
+- *weights*: the stages' variables, tied copies included; *optimizer state*: slots per
+  trainable byte by optimizer (`tfsmp.graph.ir.OPTIMIZER_SLOTS`); *accumulators*: one per
+  trainable variable, except where a stage updates its variables inside its backward ([Note:
+  direct update] in tfsmp/runtime/memory.py: one microbatch, one replica, one unsplit stage
+  per rank, no tied copy).
+- *buffers*, host memory outside TensorFlow's allocator: every message of a step has its own
+  pre-posted buffer, kept from step to step ([Note: receive buffers] in
+  tfsmp/runtime/executor.py): the activations a rank receives and the gradients it gets back,
+  for the whole batch (a received activation *is* the stage's input, so it is not counted
+  again in what a stage stashes); and summing tied copies' gradients across stages holds
+  `TIE_GRADIENT_COPIES` host copies of them. These add to the tensors' peak even when they
+  come later in the step: TensorFlow's CPU allocator (oneDNN's, the x86 default) keeps the
+  pages of freed tensors for reuse, so its peak stays resident.
+- *activations*: the schedule is walked action by action. After a forward a stage holds the
+  microbatch until its backward: under ``optimize: speed`` everything its layers keep for the
+  backward pass (``activation_bytes``: measured by `tfsmp.graph.costs.measure_activations`,
+  else the layers' outputs), under ``optimize: memory`` only its model inputs (the rest is
+  recomputed). A split stage (zero-bubble: B, then W later) holds, from B to W, each linear
+  layer's input and output gradient. The working set of an action is one microbatch's full
+  activations for a backward (recomputed, or stashed) and for the fused last stage, plus the
+  gradients in flight: a few of the largest variable's size while accumulating or updating
+  directly, all of the stage's weight gradients at once for a speed-mode backward (an eager
+  ``tape.gradient``). The last stage keeps every microbatch's model outputs until the step ends
+  (the loss and metrics read them). The optimizer step reads the accumulators and updates one
+  variable at a time ([Note: one variable at a time]): two of the largest variable.
+
+So GPipe (``simple``: every forward before any backward) holds m microbatches on every rank,
+1F1B (``interleaved``) at most ``p - r`` on rank r, and zb-h1 as many as 1F1B plus, on split
+stages, the microbatches between their B and W.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tfsmp.graph.ir import LayerGraph, optimizer_slots
+from tfsmp.partitioning.plan import StagePlan
+from tfsmp.partitioning.ties import copy_memory
+
+__all__ = [
+    "ALLOCATOR_SLACK",
+    "BASELINE_BYTES",
+    "CAP_ENV",
+    "OP_BYTES",
+    "RUNTIME_BYTES",
+    "MemorySettings",
+    "RankMemory",
+    "StageMemory",
+    "cap_from_environment",
+    "fits",
+    "group_bytes",
+    "predict_memory",
+    "settings_of",
+    "stage_counts",
+    "stage_memory",
+]
+
+MiB = 2**20
+# A rank's memory cgroup usage after `import tensorflow, keras, tfsmp` and MPI's initialization,
+# before any model (measured on this project's machines, TF 2.21 CPU, 2026-12: 243-251 MiB).
+BASELINE_BYTES = 248 * MiB
+# What the first training step adds besides tensors and the programs' graphs: kernel caches,
+# thread stacks (fitted with the next two to 10 measured ranks of Dense stacks, GPT-2, ResNet50).
+RUNTIME_BYTES = 15 * MiB
+# Host memory per TensorFlow operation of a stage's forward graph, for its traced programs
+# (forward, recomputing backward, optimizer step).
+OP_BYTES = 117 * 1024
+# Pages TensorFlow's allocator holds beyond its peak of live tensors (fragmentation), as a
+# fraction of that peak.
+ALLOCATOR_SLACK = 0.06
+# Copies of a tied variable's gradient a rank holds while the copies' gradients are summed
+# across stages (pickled send, received copy, dense sum: [Note: tied reduction] in
+# tfsmp/runtime/ties.py).
+TIE_GRADIENT_COPIES = 4
+# Weight gradients alive at once while a stage accumulates or updates them as backward produces
+# them, in units of its largest layer's trainable bytes (two inter-op threads run ahead).
+GRADIENTS_IN_FLIGHT = 3
+_LINEAR = ("Dense", "EinsumDense")
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """How a plan runs, as far as memory is concerned (`tfsmp.config` names).
+
+    ``batch_size`` is the samples of one optimizer step on one pipeline replica (the global
+    batch divided by the data-parallel degree); ``direct`` overrides the rule that decides
+    whether stages update their variables inside their backward ([Note: direct update]).
+    """
+
+    partitions: int
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    virtual_stages: int = 1
+    active_microbatches: int | None = None
+    batch_size: int = 1
+    data_parallel: int = 1
+    optimize: str = "memory"
+    optimizer: str | None = None
+    nonfinite: str = "raise"
+    direct: bool | None = None
+    baseline: int = BASELINE_BYTES
+    runtime: int = RUNTIME_BYTES
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Per-stage inputs of the model (bytes; ``*_sample`` per sample)."""
+
+    stage: int
+    weights: int
+    trainable: int
+    optimizer: float
+    largest: int            # trainable bytes of its largest dense gradient (not a lookup's)
+    saved_sample: int       # what its layers keep for backward
+    inputs_sample: int      # model inputs its layers read
+    received_sample: int    # activations it receives
+    sent_sample: int        # activations it sends (their gradients come back)
+    linear_sample: int      # its linear layers' inputs and outputs (a zero-bubble W keeps them)
+    peak_layer_sample: int  # the largest single layer's saved bytes
+    copies: bool            # holds a tied copy
+    outputs_sample: int = 0  # model outputs it computes (the last stage keeps a step's)
+    ops: int = 0            # TensorFlow operations of its forward graph
+    tied: int = 0           # trainable bytes of tied variables summed with other stages
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """A rank's predicted peak, by part. ``total`` is what a memory cgroup would report."""
+
+    rank: int
+    stages: tuple[int, ...]
+    baseline: int
+    weights: int
+    optimizer: int
+    accumulators: int
+    buffers: int
+    activations: int
+    direct: bool
+    held: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def total(self) -> int:
+        return (self.baseline + self.weights + self.optimizer + self.accumulators
+                + self.buffers + self.activations)
+
+    def parts(self) -> dict[str, int]:
+        """``{part: bytes}`` in report order."""
+        return {"baseline": self.baseline, "weights": self.weights,
+                "optimizer": self.optimizer, "accumulators": self.accumulators,
+                "buffers": self.buffers, "activations": self.activations}
+
+
+def stage_memory(plan: StagePlan, graph: LayerGraph, stage: int,
+                 optimizer: str | None) -> StageMemory:
+    """What the memory model reads of one stage (see [Note: memory model])."""
+    names = plan.layers(stage)
+    nodes = [graph.nodes[n] for n in names]
+    copies = [t for t in plan.ties if stage in t.stages and t.owner_stage != stage]
+    trainable = sum(n.trainable_param_bytes for n in nodes) + sum(
+        t.trainable_param_bytes for t in copies)
+    read = {k for n in names for k in graph.reads.get(n, ())}
+    linear = sum(n.linear_bytes for n in nodes) or sum(
+        2 * graph.tensors[k].bytes_per_sample for n in nodes if n.kind in _LINEAR
+        for k in graph.writes.get(n.name, ()))
+    written = {k for n in names for k in graph.writes.get(n, ())}
+    return StageMemory(
+        stage=stage,
+        weights=sum(n.param_bytes for n in nodes) + sum(t.param_bytes for t in copies),
+        trainable=trainable,
+        optimizer=sum(optimizer_slots(optimizer) * n.trainable_param_bytes for n in nodes)
+        + sum(copy_memory(t, optimizer) - t.param_bytes for t in copies),
+        largest=max([n.trainable_param_bytes for n in nodes if not n.kind.endswith("Embedding")]
+                    + [t.trainable_param_bytes for t in copies], default=0),
+        saved_sample=sum(n.activation_bytes for n in nodes),
+        inputs_sample=sum(graph.tensors[k].bytes_per_sample for k in graph.inputs if k in read),
+        received_sample=sum(b.bytes_per_sample for b in plan.recv_boundaries(stage)),
+        sent_sample=sum(b.bytes_per_sample for b in plan.send_boundaries(stage)),
+        linear_sample=linear,
+        peak_layer_sample=max((n.activation_bytes for n in nodes), default=0),
+        copies=bool(copies) or any(stage in t.stages and t.copies > 1 for t in plan.ties),
+        outputs_sample=sum(graph.tensors[k].bytes_per_sample for k in graph.outputs
+                           if k in written or stage == plan.num_stages - 1),
+        ops=sum(n.ops for n in nodes),
+        tied=sum(t.trainable_param_bytes for t in plan.ties
+                 if stage in t.stages and t.copies > 1),
+    )
+
+
+def predict_memory(plan: StagePlan, graph: LayerGraph, settings: MemorySettings
+                   ) -> list[RankMemory]:
+    """Every pipeline rank's predicted peak memory. See [Note: memory model].
+
+    Raises:
+        ScheduleError: the settings name no valid schedule.
+    """
+    from tfsmp.schedule.generators import fuse_last_stage, generate
+    from tfsmp.schedule.placement import Placement
+
+    s = settings
+    compute = fuse_last_stage(generate(s.pipeline, s.partitions, s.microbatches,
+                                       virtual_stages=s.virtual_stages,
+                                       active_microbatches=s.active_microbatches))
+    placement = Placement.for_pipeline(s.pipeline, s.partitions, s.virtual_stages)
+    stages = {st: stage_memory(plan, graph, st, s.optimizer) for st in range(plan.num_stages)}
+    split = {a.stage for actions in compute.values() for a in actions if a.op.value == "W"}
+    out = []
+    for rank in range(s.partitions):
+        mine = [stages[st] for st in placement.stages(rank)]
+        out.append(_rank(rank, mine, compute.get(rank, []), split, plan.num_stages - 1, s))
+    return out
+
+
+def _direct(mine: Sequence[StageMemory], split: set[int], s: MemorySettings) -> bool:
+    if s.direct is not None:
+        return s.direct
+    return (s.microbatches == 1 and s.data_parallel == 1 and len(mine) == 1
+            and not split.intersection(m.stage for m in mine)
+            and not any(m.copies for m in mine) and s.nonfinite == "raise")
+
+
+def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], split: set[int],
+          last: int, s: MemorySettings) -> RankMemory:
+    direct = _direct(mine, split, s)
+    b = s.batch_size / s.microbatches  # samples per microbatch
+    buffers = s.batch_size * sum(m.received_sample + m.sent_sample for m in mine)
+    walk = _ActivationWalk({m.stage: m for m in mine}, split, last, b, s.optimize)
+    held, peak = walk.run(actions)
+    largest = max((m.largest for m in mine), default=0)
+    # the step, after the last backward: a step's model outputs are still held (last stage)
+    step = walk.kept + (0 if direct else 2 * largest)
+    ops = sum(m.ops for m in mine)
+    weights, optimizer = sum(m.weights for m in mine), int(sum(m.optimizer for m in mine))
+    accumulators = 0 if direct else sum(m.trainable for m in mine)
+    tensors = weights + optimizer + accumulators + max(peak, step)
+    return RankMemory(
+        rank=rank, stages=tuple(m.stage for m in mine),
+        baseline=s.baseline + s.runtime + int(OP_BYTES * ops + ALLOCATOR_SLACK * tensors),
+        weights=weights, optimizer=optimizer, accumulators=accumulators,
+        buffers=int(buffers + TIE_GRADIENT_COPIES * sum(m.tied for m in mine)),
+        activations=int(max(peak, step)), direct=direct, held=held)
+
+
+class _ActivationWalk:
+    """Walks one rank's compute actions, tracking what each (stage, microbatch) holds."""
+
+    def __init__(self, stages: dict[int, StageMemory], split: set[int], last: int, b: float,
+                 optimize: str) -> None:
+        self.stages, self.split, self.last, self.b, self.optimize = stages, split, last, b, optimize
+        self.kept = 0.0
+
+    def stash(self, m: StageMemory) -> float:
+        """Held from F to B: the tape's saved tensors (speed), or the model inputs (memory)."""
+        if self.optimize == "speed":
+            return self.b * (m.saved_sample + m.inputs_sample)
+        return self.b * m.inputs_sample
+
+    def waiting(self, m: StageMemory) -> float:
+        """Held from B to W on a split stage: linear layers' inputs and output gradients."""
+        return self.b * m.linear_sample
+
+    def working(self, m: StageMemory, op: str) -> float:
+        """The transient of one action beyond what is held."""
+        grads = GRADIENTS_IN_FLIGHT * m.largest
+        full = self.b * (m.saved_sample + m.inputs_sample)
+        if op == "F":
+            if m.stage == self.last:  # fused forward, loss and backward
+                return full + grads
+            return 0.0 if self.optimize == "speed" else self.b * m.peak_layer_sample
+        if op == "B":
+            if m.stage == self.last:
+                return 0.0
+            if self.optimize == "speed":  # stash counted; all weight gradients at once
+                return self.b * m.peak_layer_sample + m.trainable
+            return full + grads
+        return grads  # W
+
+    def run(self, actions: Sequence[object]) -> tuple[int, float]:
+        """(most microbatches held at once, peak bytes); ``kept`` is then what the last
+        stage keeps of the step's outputs until the step ends."""
+        held: dict[tuple[int, int], float] = {}
+        peak, most = 0.0, 0
+        self.kept = 0.0
+        for a in actions:
+            op, st, mb = a.op.value, a.stage, a.microbatch  # type: ignore[attr-defined]
+            m = self.stages.get(st)
+            if m is None or op not in ("F", "B", "W"):
+                continue
+            peak = max(peak, sum(held.values()) + self.kept + self.working(m, op))
+            if op == "F" and st == self.last:
+                self.kept += self.b * m.outputs_sample
+            elif op == "F":
+                held[(st, mb)] = self.stash(m)
+            elif op == "B":
+                held.pop((st, mb), None)
+                if st in self.split:
+                    held[(st, mb)] = self.waiting(m)
+            elif op == "W":
+                held.pop((st, mb), None)
+            most = max(most, len(held))
+            peak = max(peak, sum(held.values()) + self.kept)
+        return most, peak
+
+
+CAP_ENV = "TFSMP_MEMORY_PER_RANK"  # bytes, set by `tfsmp run --memory-per-rank`
+
+
+def cap_from_environment(environ: Mapping[str, str] | None = None) -> int | None:
+    """The rank's memory cap in bytes (``tfsmp run --memory-per-rank``), or None."""
+    value = (os.environ if environ is None else environ).get(CAP_ENV, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def settings_of(config: Any, optimizer: str | None, batch_size: int,
+                data_parallel: int = 1) -> MemorySettings:
+    """The `MemorySettings` of a `tfsmp.config.Config` (``batch_size``: samples per step of
+    one pipeline replica)."""
+    return MemorySettings(
+        partitions=config.partitions, microbatches=config.microbatches,
+        pipeline=config.pipeline, virtual_stages=config.chunks,
+        active_microbatches=config.active_microbatches, batch_size=max(batch_size, 1),
+        data_parallel=data_parallel, optimize=config.optimize, optimizer=optimizer,
+        nonfinite=config.nonfinite)
+
+
+def fits(ranks: Sequence[RankMemory], cap: float) -> bool:
+    """Whether every rank's predicted peak is within ``cap`` bytes."""
+    return all(r.total <= cap for r in ranks)
+
+
+# -- planning within memory ----------------------------------------------------------------------
+
+
+def stage_counts(settings: MemorySettings, num_stages: int) -> list[int]:
+    """Per stage, the most microbatches it holds at once under the schedule (F to B, or to W
+    on a split stage); the fused last stage holds none."""
+    from tfsmp.schedule.generators import fuse_last_stage, generate
+
+    s = settings
+    compute = fuse_last_stage(generate(s.pipeline, s.partitions, s.microbatches,
+                                       virtual_stages=s.virtual_stages,
+                                       active_microbatches=s.active_microbatches))
+    split = {a.stage for actions in compute.values() for a in actions if a.op.value == "W"}
+    counts = [0] * num_stages
+    for actions in compute.values():
+        held: dict[int, set[int | None]] = {}
+        for a in actions:
+            op, mine = a.op.value, held.setdefault(a.stage, set())
+            if (op == "F" and a.stage != num_stages - 1) or (op == "B" and a.stage in split):
+                mine.add(a.microbatch)  # until its B, or its W on a split stage
+            elif op == ("W" if a.stage in split else "B"):
+                mine.discard(a.microbatch)
+            if a.stage < num_stages:
+                counts[a.stage] = max(counts[a.stage], len(held.get(a.stage, ())))
+    return counts
+
+
+def group_bytes(graph: LayerGraph, groups: Sequence[Sequence[str]], settings: MemorySettings
+                ) -> tuple[list[float], list[float]]:
+    """Per group, (bytes its stage holds whatever the schedule, bytes per microbatch held):
+    weights, optimizer state, accumulators and one microbatch's activations (the working set
+    of a backward), and what a stage stashes per microbatch in flight ([Note: memory model])."""
+    s = settings
+    b = s.batch_size / s.microbatches
+    slots = optimizer_slots(s.optimizer)
+    direct = s.direct if s.direct is not None else (
+        s.microbatches == 1 and s.data_parallel == 1 and s.virtual_stages == 1
+        and s.pipeline in ("interleaved", "simple") and s.nonfinite == "raise")
+    read: dict[str, set[str]] = {}
+    for k in graph.inputs:
+        for n in graph.consumers(k):
+            read.setdefault(n, set()).add(k)
+    fixed, held = [], []
+    for g in groups:
+        nodes = [graph.nodes[n] for n in g]
+        state = sum(n.param_bytes + (slots + (0 if direct else 1)) * n.trainable_param_bytes
+                    for n in nodes)
+        inputs = sum(graph.tensors[k].bytes_per_sample for n in g for k in read.get(n, ()))
+        saved = sum(n.activation_bytes for n in nodes)
+        fixed.append(state + b * (saved + inputs))
+        held.append(b * ((saved + inputs) if s.optimize == "speed" else inputs))
+    return fixed, held
