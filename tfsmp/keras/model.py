@@ -187,7 +187,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def wrapped(self) -> keras.Model | None:
         return self._wrapped
 
-    # [issue 21 hook] keras.callbacks.BackupAndRestore requires `model.built`: a wrapped model
+    # keras.callbacks.BackupAndRestore (docs/resume.md) requires `model.built`: a wrapped model
     # that is built, or a partitioned one, is built; otherwise Keras's own flag decides.
     @property
     def built(self) -> bool:
@@ -465,7 +465,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         source = BatchSource(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
                              seed=seed, steps_per_epoch=steps_per_epoch, class_weight=class_weight)
         verbose = 1 if verbose == "auto" else verbose
-        from tfsmp.checkpoint import fit_resume  # [issue 21 hook] BackupAndRestore, preemption
+        from tfsmp.checkpoint import fit_resume  # BackupAndRestore at the exact step, preemption
 
         cb = keras.callbacks.CallbackList(
             fit_resume.fit_callbacks(self, source, callbacks), add_history=True,

@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"tfsmp run: error: {e}", file=sys.stderr)
         return 2
-    from tfsmp.launch import restart  # [issue 21 hook] --max-restarts
+    from tfsmp.launch import restart  # --max-restarts (docs/resume.md)
 
     restart.prepare_environ(args)
     user_env = dict(item.split("=", 1) if "=" in item else (item, None) for item in args.env or [])
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     from tfsmp.launch.output import run_filtered, tf_logs_wanted
 
     tf_logs = args.tf_logs or tf_logs_wanted()
-    if getattr(args, "max_restarts", 0):  # [issue 21 hook] relaunch after a failure
+    if getattr(args, "max_restarts", 0):  # relaunch after a failure (docs/resume.md)
         return restart.run(args, argv, hosts, np, config_json, tf_logs=tf_logs)
     return run_filtered(argv, tf_logs=tf_logs)
 
@@ -250,7 +250,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tf-logs", action="store_true",
                    help="show TensorFlow's start-up log lines, which tfsmp run drops (also: env "
                         "TFSMP_TF_LOGS=1); see [Note: quiet start-up] in tfsmp/launch/output.py")
-    from tfsmp.launch.restart import add_arguments  # [issue 21 hook] --max-restarts ...
+    from tfsmp.launch.restart import add_arguments  # --max-restarts and its options (docs/resume.md)
 
     add_arguments(p)
     p.add_argument("script", help="the Python script to run")
