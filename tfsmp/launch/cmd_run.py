@@ -250,7 +250,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tf-logs", action="store_true",
                    help="show TensorFlow's start-up log lines, which tfsmp run drops (also: env "
                         "TFSMP_TF_LOGS=1); see [Note: quiet start-up] in tfsmp/launch/output.py")
-    from tfsmp.launch.restart import add_arguments  # --max-restarts and its options (docs/resume.md)
+    from tfsmp.launch.restart import add_arguments  # --max-restarts and more (docs/resume.md)
 
     add_arguments(p)
     p.add_argument("script", help="the Python script to run")
