@@ -113,10 +113,20 @@ def format_markdown(results: dict[str, Any]) -> str:
             continue
         lines += entry["table"] + ["", f"**Goal:** {entry['verdict']}.", "",
                                    f"_{'quick' if entry['quick'] else 'full'} run "
-                                   f"(`{entry.get('command', results['command'])}`), started "
+                                   f"(`{_command_of(name, entry)}`), started "
                                    f"{entry['started']}, {entry['seconds']:.0f} s, load average "
                                    f"{entry['load_before'][0]:.1f} → {entry['load_after'][0]:.1f}._", ""]
     return "\n".join(lines)
+
+
+def _command_of(name: str, entry: dict[str, Any]) -> str:
+    """The command that measured ``entry``: recorded with it, or the one that runs it alone (an
+    entry written before commands were recorded; never another benchmark's command)."""
+    if entry.get("command"):
+        return str(entry["command"])
+    if name in OWN_COMMAND:
+        return OWN_COMMAND[name] + (" --quick" if entry.get("quick") else "")
+    return "python benchmarks/run.py" + (" --quick" if entry.get("quick") else "") + f" --only {name}"
 
 
 def _merge(path: Path, new: dict[str, Any]) -> dict[str, Any]:

@@ -127,6 +127,8 @@ class DirectUpdate:
             return tf.cond(ok, run, lambda: tf.constant(False))
 
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        if not pairs:  # a stage without trainable variables, or none on the gradient's path:
+            return tf.constant(True)  # nothing to update (Keras's `apply` is a no-op then too)
         own = inner.__dict__.get("update_step")
         inner.update_step = update_step
         try:
