@@ -146,11 +146,41 @@ def _reduction(r: dict[str, Any]) -> Figures:
     return out
 
 
+def _memory_model(r: dict[str, Any]) -> Figures:
+    out: Figures = {}
+    for row in r["rows"]:
+        key = f"memory_model.{row['model']}.{row['pipeline']}"
+        out[f"{key}.worst_pct"] = 100 * max(abs(x - 1.0) for x in row["ratios"])
+    out["memory_model.worst_pct"] = max(out.values(), default=0.0)
+    return out
+
+
+def _memory_cap(r: dict[str, Any]) -> Figures:
+    out: Figures = {}
+    for m in r["rows"]:
+        out[f"memory_cap.{m['model']}.plain"] = m["plain"]
+        out[f"memory_cap.{m['model']}.cap_gib"] = m["cap"] / 2**30
+        for row in m["rows"]:
+            out[f"memory_cap.{m['model']}.p{row['p']}.largest"] = row["largest"]
+            out[f"memory_cap.{m['model']}.p{row['p']}.ratio"] = row["ratio"]
+    ck = r.get("checkpoint")
+    if ck:
+        out["memory_cap.checkpoint.depth"] = ck["depth"]
+        out["memory_cap.checkpoint.p"] = ck["p"]
+        for phase in ("train", "save", "export"):
+            out[f"memory_cap.checkpoint.{phase}_anon_mib"] = max(
+                k[f"anon_{phase}"] for k in ck["save"]["peaks"]) / 2**20
+        out["memory_cap.checkpoint.restore_anon_mib"] = max(ck["restore"]["anon"]) / 2**20
+        out["memory_cap.checkpoint.cap_mib"] = ck["cap"] / 2**20
+    return out
+
+
 # benchmark name in results.json -> its figures
 FIGURES: dict[str, Callable[[dict[str, Any]], Figures]] = {
     "overhead": _overhead, "speedup": _speedup, "memory": _memory, "p2p": _p2p,
     "partition": _partition, "bubble": _bubble, "reduction": _reduction,
-    "multihost": lambda r: _p2p(r, "multihost"),
+    "multihost": lambda r: _p2p(r, "multihost"), "memory_model": _memory_model,
+    "memory_cap": _memory_cap,
 }
 
 
