@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from tfsmp.checkpoint.layout import global_ids, layout_of, optimizer_state, slot_reference
-from tfsmp.errors import CheckpointError
+from tfsmp.checkpoint.layout import classify, layout_of, optimizer_state
 
 if TYPE_CHECKING:
     from tfsmp.runtime.view import RankView
@@ -80,25 +79,7 @@ def _shadow(optimizer: Any, variables: list[Any]) -> tuple[Any, dict[int, Any]]:
 def _kinds(shadow: Any, variables: list[Any], layout: RankView) -> dict[int, Kind]:
     """``{id(shadow variable): kind}``: a global by name, or a slot by (model key, slot)
     ([Note: slot keys] in tfsmp/checkpoint/layout.py, applied to the model's own paths)."""
-    prefixes = sorted(((str(v.path).replace("/", "_") + "_", v) for v in variables
-                       if id(v) in layout.keys), key=lambda p: -len(p[0]))
-    glob = global_ids(shadow)
-    out: dict[int, Kind] = {}
-    for ov in shadow.variables:
-        name = str(ov.name)
-        ref = None if id(ov) in glob else slot_reference(name, ov, prefixes)
-        if ref is None:
-            if id(ov) not in glob and len(ov.shape) > 0:
-                raise CheckpointError(
-                    f"Every optimizer variable must belong to a model variable (named "
-                    f"<variable path>_<slot>) or be a scalar. Received: optimizer variable "
-                    f"'{ov.path}' of shape {tuple(ov.shape)}. Fix: use a Keras optimizer whose "
-                    f"slots are created with add_variable_from_reference.")
-            out[id(ov)] = ("global", name)
-            continue
-        prefix, v = ref
-        out[id(ov)] = ("slot", (layout.keys[id(v)], name[len(prefix):]))
-    return out
+    return {id(ov): (kind, key) for ov, kind, key in classify(shadow, variables, layout.keys)}
 
 
 def keras_order(dm: Any) -> list[Kind]:

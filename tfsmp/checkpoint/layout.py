@@ -21,6 +21,7 @@ optimizer's iteration count and learning rate are global (the same on every rank
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -31,7 +32,7 @@ from tfsmp.runtime.checkpoint_keys import variable_keys
 if TYPE_CHECKING:
     from tfsmp.runtime.view import RankView
 
-__all__ = ["global_ids", "layout_of", "optimizer_state", "slot_reference", "variable_keys"]
+__all__ = ["classify", "layout_of", "optimizer_state", "variable_keys"]
 
 
 def layout_of(dm: Any) -> RankView:
@@ -48,7 +49,7 @@ def layout_of(dm: Any) -> RankView:
     return view  # type: ignore[no-any-return]
 
 
-def global_ids(optimizer: Any) -> set[int]:
+def _global_ids(optimizer: Any) -> set[int]:
     ids = {id(getattr(optimizer, "_iterations", None))}
     lr = getattr(optimizer, "_learning_rate", None)
     if isinstance(lr, keras.Variable):
@@ -68,14 +69,31 @@ def optimizer_state(optimizer: Any, layout: RankView
     """
     refs = getattr(optimizer, "_trainable_variables", None) or [
         layout.variables[k] for k in layout.held]
-    prefixes = sorted(((str(v.path).replace("/", "_") + "_", v) for v in refs
-                       if id(v) in layout.keys), key=lambda p: -len(p[0]))
-    glob = global_ids(optimizer)
     slots: dict[tuple[str, str], Any] = {}
     globals_: dict[str, Any] = {}
+    for ov, kind, key in classify(optimizer, refs, layout.keys):
+        if kind == "global":
+            _put(globals_, key, ov, "optimizer variable")
+        else:
+            _put(slots, key, ov, "optimizer slot")
+    return slots, globals_
+
+
+def classify(optimizer: Any, references: Iterable[Any], keys: Mapping[int, str]
+             ) -> Iterator[tuple[Any, str, Any]]:
+    """Each of ``optimizer``'s variables as ``(variable, "global", name)`` or ``(variable,
+    "slot", (model key, slot name))``, its model variable found among ``references`` by name
+    ([Note: slot keys]; ``keys``: id(model variable) -> its checkpoint key).
+
+    Raises:
+        CheckpointError: a non-scalar optimizer variable matches no model variable.
+    """
+    prefixes = sorted(((str(v.path).replace("/", "_") + "_", v) for v in references
+                       if id(v) in keys), key=lambda p: -len(p[0]))
+    glob = _global_ids(optimizer)
     for ov in optimizer.variables:
         name = str(ov.name)
-        ref = None if id(ov) in glob else slot_reference(name, ov, prefixes)
+        ref = None if id(ov) in glob else _slot_reference(name, ov, prefixes)
         if ref is None:
             if id(ov) not in glob and len(ov.shape) > 0:
                 raise CheckpointError(
@@ -83,14 +101,13 @@ def optimizer_state(optimizer: Any, layout: RankView
                     f"<variable path>_<slot>) or be a scalar. Received: optimizer variable "
                     f"'{ov.path}' of shape {tuple(ov.shape)}. Fix: use a Keras optimizer whose "
                     f"slots are created with add_variable_from_reference.")
-            _put(globals_, name, ov, "optimizer variable")
+            yield ov, "global", name
             continue
         prefix, v = ref
-        _put(slots, (layout.keys[id(v)], name[len(prefix):]), ov, "optimizer slot")
-    return slots, globals_
+        yield ov, "slot", (keys[id(v)], name[len(prefix):])
 
 
-def slot_reference(name: str, ov: Any, prefixes: list[tuple[str, Any]]) -> tuple[str, Any] | None:
+def _slot_reference(name: str, ov: Any, prefixes: list[tuple[str, Any]]) -> tuple[str, Any] | None:
     for prefix, v in prefixes:
         if name.startswith(prefix) and tuple(ov.shape) == tuple(v.shape):
             return prefix, v

@@ -35,7 +35,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
+
+from tfsmp.launch import rankguard
 
 __all__ = [
     "CAP_ENV",
@@ -53,7 +54,6 @@ __all__ = [
 CAP_ENV = "TFSMP_MEMORY_PER_RANK"  # bytes; every rank reads it (the GPU path, and reports)
 _ROOTS = ("/sys/fs/cgroup/memory", "/sys/fs/cgroup")  # cgroup v1 memory controller, then v2
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def parse_size(text: str | int) -> int:
@@ -289,23 +289,10 @@ def main(argv: Sequence[str]) -> int:
 
     env = {**os.environ, CAP_ENV: str(limit)}
     child = subprocess.Popen(command, preexec_fn=join, env=env)  # a guard process: no threads
-    forwarded: list[int] = []
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        forwarded.append(signum)
-        child.send_signal(signum)
-
-    for signum in _FORWARDED:
-        signal.signal(signum, forward)
-    code = child.wait()
+    code, _ = rankguard.wait_forwarding(child)
     _report(rank, limit, group, controller, code)
     _remove(group)
-    if code >= 0:
-        return code
-    with contextlib.suppress(OSError, ValueError):
-        signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)  # die as the rank died, so mpirun's status is unchanged
-    return 128 - code
+    return rankguard.die_like(code)  # die as the rank died, so mpirun's status is unchanged
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from types import FrameType
 
 from tfsmp import relaunch
 
-__all__ = ["main", "message"]
+__all__ = ["die_like", "main", "message", "wait_forwarding"]
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -43,6 +43,32 @@ def message(rank: str, signum: int, host: str, pid: int) -> str:
             f"(pid {pid}); the job ends\n")
 
 
+def wait_forwarding(child: subprocess.Popen[bytes]) -> tuple[int, list[int]]:
+    """Waits for a guard's ``child``, forwarding termination signals to it meanwhile; returns its
+    exit code and the signals forwarded (a rank killed by one of those was torn down by
+    mpirun, not by a fault of its own)."""
+    forwarded: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        forwarded.append(signum)
+        child.send_signal(signum)
+
+    for signum in _FORWARDED:
+        signal.signal(signum, forward)
+    return child.wait(), forwarded
+
+
+def die_like(code: int) -> int:
+    """Ends the guard as its child ended: the same exit code, or death by the same signal (so
+    mpirun's status is unchanged); returns what to exit with if the signal does not kill."""
+    if code >= 0:
+        return code
+    with contextlib.suppress(OSError, ValueError):  # SIGKILL's disposition cannot be set
+        signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+    return 128 - code  # only reached for a signal that does not kill
+
+
 def main(argv: list[str]) -> int:
     """Runs `argv`, forwards termination signals to it, and reports a death by signal.
 
@@ -56,15 +82,7 @@ def main(argv: list[str]) -> int:
     child = subprocess.Popen(argv)
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "?"))
     relaunch.record_rank_event("start", rank)  # [Note: lost daemons] in tfsmp/relaunch.py
-    forwarded: list[int] = []
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        forwarded.append(signum)
-        child.send_signal(signum)
-
-    for signum in _FORWARDED:
-        signal.signal(signum, forward)
-    code = child.wait()
+    code, forwarded = wait_forwarding(child)
     relaunch.record_rank_event("exit", rank, code)
     if code >= 0:
         return code
@@ -75,10 +93,7 @@ def main(argv: list[str]) -> int:
     # for a launcher that relaunches the job ([Note: restart records] in tfsmp/relaunch.py)
     relaunch.record_failure(f"rank {rank}", f"killed by signal {-code} ({_name(-code)})",
                             pid=child.pid, rank=rank)
-    with contextlib.suppress(OSError, ValueError):  # SIGKILL's disposition cannot be set
-        signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-    return 128 - code  # only reached for a signal that does not kill
+    return die_like(code)
 
 
 if __name__ == "__main__":
