@@ -122,26 +122,29 @@ def _wire(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
-def _empty_like(entry: Entry) -> np.ndarray:
-    """An array for an entry's variable (shape and dtype known on every rank, held or not)."""
+def _empty(shape: tuple[int, ...], dtype_name: str) -> np.ndarray:
+    """An array of the sender's shape and dtype (its header): the receiver may hold nothing of
+    the entry (another rank's optimizer slot is ``None`` on world rank 0)."""
     import ml_dtypes
 
-    name = str(keras.backend.standardize_dtype(entry.value.dtype))
-    dtype = np.dtype(getattr(ml_dtypes, name)) if name == "bfloat16" else np.dtype(name)
-    return np.empty(tuple(int(d) for d in entry.value.shape), dtype=dtype)
+    dtype = (np.dtype(getattr(ml_dtypes, dtype_name)) if dtype_name == "bfloat16"
+             else np.dtype(dtype_name))
+    return np.empty(shape, dtype=dtype)
 
 
 def _send_mine(dm: Any, layout: H5Layout, owners: dict[int, int]) -> None:
     """[Note: streaming export] Sends this rank's arrays to world rank 0 one variable at a
-    time, each after a small header (None, or the error that kept it from being read), so
+    time, each after a small header (its shape and dtype, or the error that kept it from being
+    read), so
     neither side holds more than one variable beyond its own stages: gathering a rank's
     stages in one message held them twice on the sender and on world rank 0, which also
     holds its own, more than a rank near its memory cap has."""
     world = dm.runtime_state().comm.world
     for i in sorted(i for i, r in owners.items() if r == world.rank):
         try:
-            array: np.ndarray | None = _value(layout.entries[i])
-            header = None
+            value = _value(layout.entries[i])
+            array: np.ndarray | None = value
+            header: tuple[tuple[int, ...], str] | str = (tuple(value.shape), str(value.dtype))
         except Exception as e:  # rank 0 must hear of it, or it waits forever
             array, header = None, f"{type(e).__name__}: {e}"
         world.send_obj(header, 0, _TAG)
@@ -150,12 +153,12 @@ def _send_mine(dm: Any, layout: H5Layout, owners: dict[int, int]) -> None:
         del array
 
 
-def _receive(world: Any, rank: int, entry: Entry) -> np.ndarray | str:
+def _receive(world: Any, rank: int) -> np.ndarray | str:
     """World rank 0: one variable from ``rank`` ([Note: streaming export]), or its error."""
     header = world.recv_obj(rank, _TAG)
-    if header is not None:
+    if isinstance(header, str):
         return f"rank {rank}: {header}"
-    array = _empty_like(entry)
+    array = _empty(*header)
     world.irecv(_wire(array), rank, _TAG).wait()
     return array
 
@@ -186,7 +189,7 @@ def _write_all(dm: Any, layout: H5Layout, owners: dict[int, int], path: str,
             put(writer, e, functools.partial(_value, e))
     for rank in sorted({r for r in owners.values() if r != 0}):
         for i in sorted(i for i, r in owners.items() if r == rank):
-            got = _receive(world, rank, layout.entries[i])
+            got = _receive(world, rank)
             if isinstance(got, str):
                 errors.append(got)
             elif writer is not None:
