@@ -25,9 +25,11 @@ microbatch's and replica's slices concatenated in batch order (``"concat"``); a 
 indices do not depend on the batch (`Embedding(ops.arange(L))` position tables, T5's relative
 position buckets) yields the same indices for any batch, with values summed over the batch, so
 the full batch's gradient has those indices once and the sum of the parts' values (``"sum"``).
-Which of the two a variable follows is measured once per stage (`StageProgram.sparse_rules`):
+Which of the two a variable follows is measured once per stage (`StageProgram._measure_sparse`):
 its gradient for a microbatch and for that microbatch repeated twice have the same number of
-slices for ``"sum"`` and twice as many for ``"concat"``.
+slices for ``"sum"`` and twice as many for ``"concat"``. The counts are the static shapes of a
+trace that never runs (run eagerly, the stage's tape held twice a microbatch's activations and
+set a rank's peak); only a count known at run time alone runs the stage.
 """
 
 from __future__ import annotations

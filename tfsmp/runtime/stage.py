@@ -416,25 +416,24 @@ class StageProgram:
                         indices: list[int]) -> dict[int, str]:
         """Whether each sparse gradient's slices follow the batch's rows or not ([Note: sparse
         structure] in gradients.py): its slice count for a microbatch and for that microbatch
-        repeated twice, measured once per stage, eagerly, in inference mode (no state
-        changes)."""
+        repeated twice, measured once per stage in inference mode (no state changes).
+
+        The counts are read from the gradients' static shapes in a trace that never runs, so
+        the measurement allocates no tensor: run eagerly under a tape, it held the stage's
+        activations for twice a microbatch, an eager tape's 2-2.5x of what the compiled
+        backward keeps, and that set the rank's peak (measured: +97 MiB on GPT-2's first stage,
+        [Note: memory model] in tfsmp/partitioning/memory.py). Only where a count depends on
+        the values (no static shape) does the stage run, eagerly, as before."""
         self._sparse_measured = True
-        consts = consts[:Consts.TERMS]  # inference's constants: evaluate's trace serves
-        counts: dict[int, list[int]] = {i: [] for i in indices}
-        for reps in (1, 2):
-            ins = [tf.concat([t] * reps, 0) for t in inputs]
-            rv = [tf.concat([t] * reps, 0) for t in recv]
-            with tf.GradientTape() as tape:  # eager: the compiled programs keep their traces
-                out = self._eval_fn(ins, rv, False, consts)
-                target = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
-                                   for t in (*out[0], *out[1]) if t.dtype.is_floating]
-                                  or [tf.zeros(())])
-            grads = tape.gradient(target, [self.trainable[i].value for i in indices])
-            for i, g in zip(indices, grads):
-                counts[i].append(int(g.indices.shape[0]) if isinstance(g, tf.IndexedSlices) else -1)
+        consts = consts[:Consts.TERMS]  # inference's constants
+        traced = [self._traced_counts(inputs, recv, consts, indices, reps) for reps in (1, 2)]
+        counts = {i: (one, two) for i, one, two in zip(indices, *traced)}
+        unknown = [i for i in indices if None in counts[i]]
+        if unknown:
+            counts.update(self._run_counts(inputs, recv, consts, unknown))
         rules: dict[int, str] = {}
         for i, (one, two) in counts.items():
-            if one < 0 or two == 2 * one:
+            if one is None or two is None or one < 0 or two == 2 * one:
                 rules[i] = CONCAT
             elif two == one:
                 rules[i] = SUM
@@ -446,6 +445,53 @@ class StageProgram:
                     f"for a microbatch, {two} for twice its samples). Use microbatches=1 with "
                     f"one replica, or read the table through two layers.")
         return rules
+
+    def _traced_counts(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor,
+                       indices: list[int], reps: int) -> list[int | None]:
+        """Per trainable of ``indices``, its gradient's slices for ``reps`` copies of the
+        microbatch, from a trace of a fresh function that never runs (the compiled programs
+        keep their traces): -1 for a dense gradient, None when known only at run time."""
+        found: list[int | None] = [None] * len(indices)
+
+        def spec(t: tf.Tensor) -> tf.TensorSpec:
+            shape = tuple(t.shape)
+            return tf.TensorSpec((shape[0] * reps, *shape[1:]) if shape else (), t.dtype)
+
+        def count(ins: list[tf.Tensor], rv: list[tf.Tensor], c: tf.Tensor) -> tf.Tensor:
+            with tf.GradientTape() as tape:
+                target = self._eval_target(ins, rv, c)
+            grads = tape.gradient(target, [self.trainable[i].value for i in indices])
+            for k, g in enumerate(grads):
+                found[k] = g.indices.shape[0] if isinstance(g, tf.IndexedSlices) else -1
+            return target
+
+        try:
+            tf.function(count).get_concrete_function(
+                [spec(t) for t in inputs], [spec(t) for t in recv],
+                tf.TensorSpec.from_tensor(consts))
+        except Exception:  # a stage that cannot trace on specs: measured by running it
+            return [None] * len(indices)
+        return found
+
+    def _eval_target(self, ins: list[tf.Tensor], rv: list[tf.Tensor], consts: tf.Tensor
+                     ) -> tf.Tensor:
+        out = self._eval_fn(ins, rv, False, consts)
+        return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
+                         for t in (*out[0], *out[1]) if t.dtype.is_floating] or [tf.zeros(())])
+
+    def _run_counts(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor,
+                    indices: list[int]) -> dict[int, tuple[int | None, int | None]]:
+        """The slice counts of `_traced_counts`, by running the stage eagerly under a tape."""
+        counts: dict[int, list[int]] = {i: [] for i in indices}
+        for reps in (1, 2):
+            ins = [tf.concat([t] * reps, 0) for t in inputs]
+            rv = [tf.concat([t] * reps, 0) for t in recv]
+            with tf.GradientTape() as tape:
+                target = self._eval_target(ins, rv, consts)
+            grads = tape.gradient(target, [self.trainable[i].value for i in indices])
+            for i, g in zip(indices, grads):
+                counts[i].append(int(g.indices.shape[0]) if isinstance(g, tf.IndexedSlices) else -1)
+        return {i: (one, two) for i, (one, two) in counts.items()}
 
     # -- what the executor calls ---------------------------------------------------------------
 
