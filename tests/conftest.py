@@ -44,6 +44,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     no_trials = os.environ.get("TFSMP_FAULT_TRIALS") != "1"
     # the soak runs when asked: TFSMP_SOAK=1 (CI sets it) or a -m expression naming it
     no_soak = os.environ.get("TFSMP_SOAK") != "1" and "soak" not in (config.option.markexpr or "")
+    no_full = os.environ.get("TFSMP_FULL_TESTS") != "1"  # the slow cases CI adds
     for item in items:
         tier = _tier(item)
         item.add_marker(tier)
@@ -51,6 +52,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(
                 reason="the 10 fault trials run with TFSMP_FAULT_TRIALS=1 (CI sets it); the "
                        "default run has a 2-trial version"))
+        if no_full and "full" in item.keywords:
+            item.add_marker(pytest.mark.skip(
+                reason="a slow case CI runs (TFSMP_FULL_TESTS=1); the default run covers its "
+                       "behaviour with smaller cases"))
         if no_soak and "soak" in item.keywords:
             item.add_marker(pytest.mark.skip(
                 reason="the 500-step soak runs with TFSMP_SOAK=1 (CI sets it) or -m soak"))

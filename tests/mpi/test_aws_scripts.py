@@ -124,6 +124,7 @@ def test_examples_tf2_on_two_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.horovod
+@pytest.mark.full  # 4 ranks, ~50 s: CI runs it (TFSMP_FULL_TESTS=1)
 @pytest.mark.timeout(480)
 def test_examples_tf2_hvd_on_four_ranks(tmp_path: Path) -> None:
     res = run_mpi(4, [RUNNER, AWS / "tf2_hvd.py", "--train", "256", "--test", "256",
@@ -146,6 +147,7 @@ def test_dlc_tf2_conv_on_two_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.horovod
+@pytest.mark.full  # 4 ranks, ~50 s: CI runs it (TFSMP_FULL_TESTS=1)
 @pytest.mark.timeout(480)
 def test_dlc_hvd2_conv_on_four_ranks(tmp_path: Path) -> None:
     res = run_mpi(4, [RUNNER, AWS / "smmodelparallel_hvd2_conv.py", "--train", "96",

@@ -318,6 +318,7 @@ def test_two_stages_without_horovod_train_and_save_a_plain_keras_model(tmp_path:
 
 
 @pytest.mark.horovod
+@pytest.mark.full  # horovodrun's own launch of the example; CI runs it (TFSMP_FULL_TESTS=1)
 @pytest.mark.timeout(600)
 def test_horovodrun_runs_the_example_script(tmp_path: Path) -> None:
     _needs_runtime()
