@@ -457,13 +457,8 @@ class StageProgram:
             shape = tuple(t.shape)
             return tf.TensorSpec((shape[0] * reps, *shape[1:]) if shape else (), t.dtype)
 
-        def count(ins: list[tf.Tensor], rv: list[tf.Tensor], c: tf.Tensor) -> tf.Tensor:
-            with tf.GradientTape() as tape:
-                target = self._eval_target(ins, rv, c)
-            grads = tape.gradient(target, [self.trainable[i].value for i in indices])
-            for k, g in enumerate(grads):
-                found[k] = g.indices.shape[0] if isinstance(g, tf.IndexedSlices) else -1
-            return target
+        def count(ins: list[tf.Tensor], rv: list[tf.Tensor], c: tf.Tensor) -> None:
+            found[:] = self._slice_counts(ins, rv, c, indices)
 
         try:
             tf.function(count).get_concrete_function(
@@ -473,25 +468,26 @@ class StageProgram:
             return [None] * len(indices)
         return found
 
-    def _eval_target(self, ins: list[tf.Tensor], rv: list[tf.Tensor], consts: tf.Tensor
-                     ) -> tf.Tensor:
-        out = self._eval_fn(ins, rv, False, consts)
-        return tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
-                         for t in (*out[0], *out[1]) if t.dtype.is_floating] or [tf.zeros(())])
+    def _slice_counts(self, ins: list[tf.Tensor], rv: list[tf.Tensor], consts: tf.Tensor,
+                      indices: list[int]) -> list[int | None]:
+        """Per trainable of ``indices``, its gradient's slice count on these inputs (-1 for a
+        dense gradient; None when a trace cannot know it), traced or eager alike."""
+        with tf.GradientTape() as tape:
+            out = self._eval_fn(ins, rv, False, consts)
+            target = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32))
+                               for t in (*out[0], *out[1]) if t.dtype.is_floating]
+                              or [tf.zeros(())])
+        grads = tape.gradient(target, [self.trainable[i].value for i in indices])
+        return [(None if g.indices.shape[0] is None else int(g.indices.shape[0]))
+                if isinstance(g, tf.IndexedSlices) else -1 for g in grads]
 
     def _run_counts(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor,
                     indices: list[int]) -> dict[int, tuple[int | None, int | None]]:
         """The slice counts of `_traced_counts`, by running the stage eagerly under a tape."""
-        counts: dict[int, list[int]] = {i: [] for i in indices}
-        for reps in (1, 2):
-            ins = [tf.concat([t] * reps, 0) for t in inputs]
-            rv = [tf.concat([t] * reps, 0) for t in recv]
-            with tf.GradientTape() as tape:
-                target = self._eval_target(ins, rv, consts)
-            grads = tape.gradient(target, [self.trainable[i].value for i in indices])
-            for i, g in zip(indices, grads):
-                counts[i].append(int(g.indices.shape[0]) if isinstance(g, tf.IndexedSlices) else -1)
-        return {i: (one, two) for i, (one, two) in counts.items()}
+        one, two = (self._slice_counts([tf.concat([t] * reps, 0) for t in inputs],
+                                       [tf.concat([t] * reps, 0) for t in recv], consts, indices)
+                    for reps in (1, 2))
+        return {i: (a, b) for i, a, b in zip(indices, one, two)}
 
     # -- what the executor calls ---------------------------------------------------------------
 
