@@ -135,9 +135,8 @@ def _empty(shape: tuple[int, ...], dtype_name: str) -> np.ndarray:
 def _send_mine(dm: Any, layout: H5Layout, owners: dict[int, int]) -> None:
     """[Note: streaming export] Sends this rank's arrays to world rank 0 one variable at a
     time, each after a small header (its shape and dtype, or the error that kept it from being
-    read), so
-    neither side holds more than one variable beyond its own stages: gathering a rank's
-    stages in one message held them twice on the sender and on world rank 0, which also
+    read), so neither side holds more than one variable beyond its own stages: gathering a
+    rank's stages in one message held them twice on the sender and on world rank 0, which also
     holds its own, more than a rank near its memory cap has."""
     world = dm.runtime_state().comm.world
     for i in sorted(i for i, r in owners.items() if r == world.rank):
