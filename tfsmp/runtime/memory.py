@@ -23,7 +23,7 @@ ops on the same values, so the result is bit-identical; only their order changes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -48,15 +48,23 @@ def one_variable_at_a_time(optimizer: Any) -> Iterator[None]:
         done[:] = [tf.identity(_handle_value(variable))]
         return result
 
-    own = inner.__dict__.get("update_step")
-    inner.update_step = update_step
+    with _update_step_as(inner, update_step):
+        yield
+
+
+@contextlib.contextmanager
+def _update_step_as(optimizer: Any, update_step: Callable[..., Any]) -> Iterator[None]:
+    """``optimizer.update_step`` is ``update_step`` inside the block, then what it was (the
+    class's method, or an instance attribute of its own)."""
+    own = optimizer.__dict__.get("update_step")
+    optimizer.update_step = update_step
     try:
         yield
     finally:
         if own is None:
-            del inner.update_step  # back to the class's method
+            del optimizer.update_step  # back to the class's method
         else:
-            inner.update_step = own
+            optimizer.update_step = own
 
 
 def _handle_value(variable: Any) -> tf.Tensor:
@@ -129,14 +137,7 @@ class DirectUpdate:
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         if not pairs:  # a stage without trainable variables, or none on the gradient's path:
             return tf.constant(True)  # nothing to update (Keras's `apply` is a no-op then too)
-        own = inner.__dict__.get("update_step")
-        inner.update_step = update_step
-        try:
+        with _update_step_as(inner, update_step):
             # apply_gradients, as Keras's train step calls it (an override is honoured)
             self.optimizer.apply_gradients(list(reversed(pairs)))
-        finally:
-            if own is None:
-                del inner.update_step
-            else:
-                inner.update_step = own
         return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
