@@ -139,6 +139,28 @@ def test_records_are_never_read_half_written(tmp_path: Path) -> None:
     assert reads > 100
 
 
+def test_a_torn_body_behind_an_even_sequence_is_never_returned(tmp_path: Path) -> None:
+    """The CRC seal catches what the sequence lock alone misses on a weakly ordered CPU.
+
+    CI once read state "waiting" with an empty action: the closing sequence number was visible
+    before the body. Here the body is torn by hand behind an even, unchanged sequence number.
+    """
+    from tfsmp.runtime import watchdog as wd
+    writer = Watchdog(1, 2, [0, 1], str(tmp_path))
+    reader = Watchdog(0, 2, [0, 1], str(tmp_path))
+    writer.update("1F7")
+    writer.waiting("x" * 7)
+    assert reader.read(1) is not None and reader.read(1).action == "1F7"
+    at = wd._BODY_AT + 4 + 8 + 8  # the action field, as struct.pack_into leaves it mid-write
+    writer._map[at:at + 48] = bytes(48)
+    assert wd._SEQ.unpack_from(writer._map, wd._SEQ_AT)[0] % 2 == 0
+    assert reader.read(1) is None  # after its 0.1 s of retries: no half-written record
+    writer.waiting("x" * 7)  # the next whole write is read again
+    assert reader.read(1).action == "1F7"
+    writer.close()
+    reader.close()
+
+
 def test_an_update_costs_about_a_microsecond(tmp_path: Path) -> None:
     dog = Watchdog(0, 2, [0, 1], str(tmp_path))
     actions = [Action(0, Op.FORWARD, i) for i in range(8)] + [Action(0, Op.SEND_F, 1, 1)]

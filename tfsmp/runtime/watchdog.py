@@ -16,7 +16,12 @@ waiting, or outside a step), the action, what it waits for, and since when. Writ
 action. A stalled rank reads every rank's file to print the table; this needs no cooperation from
 the other ranks, which are usually blocked themselves (in a receive, a collective, or a hung
 kernel), and it still shows the last state of a rank that was killed. Writers use a sequence
-lock (odd while writing) so a reader never takes a half-written record.
+lock (odd while writing) and seal each body with its CRC-32, so a reader never takes a
+half-written record: the sequence lock alone is not enough, because plain Python stores carry no
+memory barrier and a CPU with a weak memory order (aarch64) may show another core the closing
+sequence number before the body; and `struct.pack_into` clears a field before filling it, so a
+torn read shows an empty action. A reader retries until the sequence is even and unchanged and
+the body matches its CRC.
 
 The directory is shared by the ranks of one job on one host: ``TFSMP_WATCHDOG_DIR`` if set
 (a directory every host shares makes the table cover all hosts); else Open MPI's job session
@@ -52,6 +57,7 @@ import tempfile
 import threading
 import time
 import traceback
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
@@ -73,6 +79,8 @@ _SEQ_AT = 4
 # state, step, since, action, detail: what a transition rewrites
 _BODY = struct.Struct("<B3xQd48s160s")
 _BODY_AT = 20
+_CRC = struct.Struct("<I")  # CRC-32 of the body, after the record
+_CRC_AT = _RECORD.size
 _SIZE = 512
 
 NONE, RUNNING, WAITING, IDLE = 0, 1, 2, 3
@@ -191,12 +199,15 @@ class Watchdog:
     def _write_header(self) -> None:
         _RECORD.pack_into(self._map, 0, _MAGIC, 0, os.getpid(), self.rank, self.pipeline_rank, NONE, 0,
                           time.time(), b"", b"", _encode(self.host, 64))
+        _CRC.pack_into(self._map, _CRC_AT, _body_crc(bytes(self._map[:_CRC_AT + _CRC.size])))
 
     def _set(self, state: int, action: bytes, detail: bytes) -> None:
         # [Note: status files] sequence lock: odd while the body is being rewritten
         seq = self._seq = self._seq + 1
+        body = _BODY.pack(state, self._step, time.time(), action, detail)
         _SEQ.pack_into(self._map, _SEQ_AT, 2 * seq - 1)
-        _BODY.pack_into(self._map, _BODY_AT, state, self._step, time.time(), action, detail)
+        self._map[_BODY_AT:_BODY_AT + _BODY.size] = body
+        _CRC.pack_into(self._map, _CRC_AT, zlib.crc32(body))
         _SEQ.pack_into(self._map, _SEQ_AT, 2 * seq)
 
     # -- what the executor calls ---------------------------------------------------------------
@@ -263,9 +274,10 @@ class Watchdog:
         with mapped:
             while time.monotonic() < deadline:  # a stalled writer is consistent at once
                 seq = _SEQ.unpack_from(mapped, _SEQ_AT)[0]
-                raw = bytes(mapped[:_RECORD.size])
-                if seq % 2 == 0 and _SEQ.unpack_from(mapped, _SEQ_AT)[0] == seq:
-                    return _parse(raw)
+                raw = bytes(mapped[:_CRC_AT + _CRC.size])
+                if (seq % 2 == 0 and _SEQ.unpack_from(mapped, _SEQ_AT)[0] == seq
+                        and _body_crc(raw) == _CRC.unpack_from(raw, _CRC_AT)[0]):
+                    return _parse(raw[:_RECORD.size])
                 time.sleep(0)
         return None  # never a half-written record
 
@@ -350,6 +362,11 @@ class Watchdog:
         if remove_directory:
             with contextlib.suppress(OSError):
                 os.rmdir(self.directory or "")
+
+
+def _body_crc(raw: bytes) -> int:
+    """CRC-32 of the body within a record ``raw``; see [Note: status files]."""
+    return zlib.crc32(raw[_BODY_AT:_BODY_AT + _BODY.size])
 
 
 def _parse(raw: bytes) -> Status | None:
