@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if no_trials and "fault_trials" in item.keywords:
             item.add_marker(pytest.mark.skip(
                 reason="the 10 fault trials run with TFSMP_FAULT_TRIALS=1 (CI sets it); the "
-                       "default run has a 2-trial version"))
+                       "default run has a 1-trial version"))
         if no_full and "full" in item.keywords:
             item.add_marker(pytest.mark.skip(
                 reason="a slow case CI runs (TFSMP_FULL_TESTS=1); the default run covers its "

@@ -65,12 +65,22 @@ from tfsmp.launch.mpirun import (
     launcher_never_started,
 )
 
-__all__ = ["REPO_ROOT", "SCRIPTS", "MpiTimeout", "Result", "assert_ok", "base_env",
-           "case_results", "run_cases", "run_mpi"]
+__all__ = ["FULL", "REPO_ROOT", "SCRIPTS", "MpiTimeout", "Result", "assert_ok", "base_env",
+           "case_results", "run_cases", "run_mpi", "with_full"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "tests" / "mpi" / "scripts"
 CASES_RUNNER = REPO_ROOT / "tests" / "mpi" / "cases_runner.py"
+
+# The slow cases CI adds (`.ci/run` sets TFSMP_FULL_TESTS=1). A test of such a case is marked
+# `full` (tests/conftest.py skips it otherwise); a launch of many cases takes its full-only
+# cases from `with_full`, so the default run launches only what its tests read.
+FULL = os.environ.get("TFSMP_FULL_TESTS") == "1"
+
+
+def with_full(default: Sequence[str], full_only: Sequence[str]) -> list[str]:
+    """The cases one launch runs: ``default``, and ``full_only`` too when `FULL`."""
+    return [*default, *full_only] if FULL else list(default)
 
 _TAGGED = re.compile(TAG_OUTPUT_PATTERN)
 _RANK_PREFIX = re.compile(r"^\[rank (\d+)\b")   # tfsmp's failure tag, `[rank 3 | pp_rank 1]`

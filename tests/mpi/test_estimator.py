@@ -308,6 +308,7 @@ def test_the_issue_distribution_trains_and_saves_a_plain_keras_model(tmp_path: P
     _train(tmp_path, ISSUE_DIST, "issue")
 
 
+@pytest.mark.full  # the issue's distribution (above) runs the same estimator path by default
 @pytest.mark.timeout(600)
 def test_two_stages_without_horovod_train_and_save_a_plain_keras_model(tmp_path: Path) -> None:
     _needs_runtime()

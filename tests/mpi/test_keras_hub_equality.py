@@ -56,16 +56,25 @@ def test_keras_hub_model_trains_like_keras_at_p2(p2: dict, case: str) -> None:
     _check(p2, case, 2)
 
 
+@pytest.mark.full  # a 4-rank launch of every model; the default run trains each at p = 2
 @pytest.mark.parametrize("case", P4)
 def test_keras_hub_model_trains_like_keras_at_p4(p4: dict, case: str) -> None:
     _check(p4, case, 4)
 
 
-def test_ties_only_where_a_call_reads_the_variable(p2: dict, p4: dict) -> None:
+def _assert_ties(results: dict, suffix: str) -> None:
+    ties = {name: results[f"case_{name}{suffix}"][0]["result"]["ties"] for name in MODELS}
+    assert ties["llama"] == ties["mistral"] == ties["phi3"] == ties["vit"] == []
+    assert [len(t) for t in ties["gemma"]] == [2]
+    assert [len(t) for t in ties["bart"]] == [len(t) for t in ties["t5"]] == [3]
+
+
+def test_ties_only_where_a_call_reads_the_variable(p2: dict) -> None:
     """Llama, Mistral and Phi-3 (ReversibleEmbedding(tie_weights=False)) have no tie; Gemma,
     BART and T5 tie their token embedding, read by the input embedding(s) and the head."""
-    for results, suffix in ((p2, "_p2"), (p4, "_p4_m2")):
-        ties = {name: results[f"case_{name}{suffix}"][0]["result"]["ties"] for name in MODELS}
-        assert ties["llama"] == ties["mistral"] == ties["phi3"] == ties["vit"] == []
-        assert [len(t) for t in ties["gemma"]] == [2]
-        assert [len(t) for t in ties["bart"]] == [len(t) for t in ties["t5"]] == [3]
+    _assert_ties(p2, "_p2")
+
+
+@pytest.mark.full
+def test_ties_only_where_a_call_reads_the_variable_at_p4(p4: dict) -> None:
+    _assert_ties(p4, "_p4_m2")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.mpihelp import SCRIPTS, case_results, run_cases
+from tests.mpihelp import SCRIPTS, case_results, run_cases, with_full
 
 pytestmark = pytest.mark.mpi
 RANKS = 4
@@ -19,8 +19,8 @@ TOL = 1e-4  # max |Δ| <= TOL * max |w|, per weight, after an epoch
 TRAIN = ["case_tied_lm_p4_adam", "case_tied_lm_p2_dp2_sgd", "case_shared_dense_p4_sgd",
          "case_twin_embedding_p4_adam", "case_loss_scaled_p2_dp2", "case_nonfinite_skip_p2_dp2"]
 GPT2 = ["case_gpt2_p2_adam", "case_gpt2_p4_sgd"]
-CASES = [*TRAIN, "case_weights_api_one_value_per_weight", "case_checkpoint_save_p2",
-         "case_checkpoint_restore_p4", *GPT2]
+CASES = with_full([*TRAIN, "case_weights_api_one_value_per_weight", "case_checkpoint_save_p2",
+                   "case_checkpoint_restore_p4"], GPT2)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,7 @@ def test_checkpoint_writes_one_copy_and_restores_every_copy(results: dict) -> No
     assert exported == {"num": len(a["ref_weights"]), "equal": True}  # plain Keras loads it
 
 
+@pytest.mark.full  # the default run trains tied keras_hub models (Gemma, BART, T5) at p = 2
 def test_gpt2_causal_lm_trains_like_keras_at_p2_and_p4(results: dict) -> None:
     for case, copies in zip(GPT2, ([[0, 1]], [[0, 3]])):
         reports = case_results(results, case)

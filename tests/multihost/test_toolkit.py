@@ -34,10 +34,9 @@ INSTANCE_TYPE = "ml.c5.2xlarge"  # a CPU type: no EFA or NCCL flags
 
 @pytest.fixture(scope="module")
 def venv() -> Path:
-    if not ompi4.ready() and os.environ.get("TFSMP_TOOLKIT_TESTS") != "1":
+    if os.environ.get("TFSMP_TOOLKIT_TESTS") != "1":  # CI sets it; the default run skips
         pytest.skip("opt-in: the toolkit needs Open MPI 4 and mpi4py compiled against it (6-8 min "
-                    f"to build on 2 cores); set TFSMP_TOOLKIT_TESTS=1 or build {ompi4.venv_dir()} with "
-                    "`python -m tests.multihost.ompi4`")
+                    f"to build on 2 cores, kept in {ompi4.venv_dir()}); set TFSMP_TOOLKIT_TESTS=1")
     return ompi4.build()
 
 
