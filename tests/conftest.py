@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.mpihelp import FULL
+
 # oneDNN's CPU kernels round differently per batch size and CPU (AVX-512 here): in-process TF
 # tests compare microbatched with whole-batch results, as the multi-rank ones (tests/mpihelp.py).
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -44,7 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     no_trials = os.environ.get("TFSMP_FAULT_TRIALS") != "1"
     # the soak runs when asked: TFSMP_SOAK=1 (CI sets it) or a -m expression naming it
     no_soak = os.environ.get("TFSMP_SOAK") != "1" and "soak" not in (config.option.markexpr or "")
-    no_full = os.environ.get("TFSMP_FULL_TESTS") != "1"  # the slow cases CI adds
+    no_full = not FULL  # the slow cases CI adds (tests/mpihelp.py)
     for item in items:
         tier = _tier(item)
         item.add_marker(tier)

@@ -10,18 +10,16 @@ by CI, `.ci/run`) runs the whole matrix: every feature at m = 1 and 4 under `int
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.mpihelp import SCRIPTS, assert_ok, run_cases
+from tests.mpihelp import FULL, SCRIPTS, assert_ok, run_cases
 
 pytestmark = pytest.mark.mpi
 DOC = Path(__file__).resolve().parents[2] / "docs" / "keras_semantics.md"
-FULL = os.environ.get("TFSMP_FULL_TESTS") == "1"
 CASES = ["case_full" if FULL else "case_default", "case_refusals",
          "case_scalar_neither_at_one_part", "case_state_warning"]
 

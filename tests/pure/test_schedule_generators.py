@@ -7,10 +7,9 @@ p <= 8, m <= 16, v <= 2 (512 schedules) in the default run.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from tests.mpihelp import FULL
 from tfsmp.errors import ScheduleError
 from tfsmp.schedule import (
     format_schedule,
@@ -108,10 +107,9 @@ def test_bad_arguments_are_schedule_errors(kwargs: dict[str, object], message: s
 def test_validator_passes_every_generated_schedule_up_to_p8_m32_v4(pipeline: str) -> None:
     # The default run takes every p <= 8 with m <= 16 and v <= 2 (a quarter of the time); the
     # full run (CI, TFSMP_FULL_TESTS=1) goes to m = 32 and v = 4.
-    full = os.environ.get("TFSMP_FULL_TESTS") == "1"
     for p in range(1, 9):
-        for v in range(1, 5 if full else 3):
-            for m in range(1, 33 if full else 17):
+        for v in range(1, 5 if FULL else 3):
+            for m in range(1, 33 if FULL else 17):
                 compute = generate(pipeline, p, m, v)
                 validate(compute)
                 validate(lower(compute, None, p))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import subprocess
 import sys
 import textwrap
@@ -151,7 +152,7 @@ def test_a_torn_body_behind_an_even_sequence_is_never_returned(tmp_path: Path) -
     writer.update("1F7")
     writer.waiting("x" * 7)
     assert reader.read(1) is not None and reader.read(1).action == "1F7"
-    at = wd._BODY_AT + 4 + 8 + 8  # the action field, as struct.pack_into leaves it mid-write
+    at = wd._BODY_AT + struct.calcsize("<B3xQd")  # the action field, as pack_into leaves it mid-write
     writer._map[at:at + 48] = bytes(48)
     assert wd._SEQ.unpack_from(writer._map, wd._SEQ_AT)[0] % 2 == 0
     assert reader.read(1) is None  # after its 0.1 s of retries: no half-written record
