@@ -174,6 +174,14 @@ class Engine:
         self.broadcast_from_first_replica()
         self.ties.sync()  # copies of tied variables start identical
 
+    def rebuilt(self, objective: Objective | None, optimizer: Any) -> Engine:
+        """A new engine over the same traced model, plan and schedules, whose stage programs
+        read the variables' trainable flags anew ([Note: changing the model] in
+        tfsmp/keras/model.py). Every rank calls it."""
+        return Engine(self.traced, self.plan, self._schedules, config=self.config, comm=self.comm,
+                      rank_tag=self.rank_tag, objective=objective, optimizer=optimizer,
+                      tracer=self._tracer, horovod=self._horovod)
+
     def _can_update_directly(self, plan: StagePlan, weighted: set[int]) -> bool:
         """[Note: direct update]: one microbatch, one replica, one unsplit stage per rank, no
         tied copies, no XLA and ``nonfinite='raise'`` (the optimizer is checked when set)."""
