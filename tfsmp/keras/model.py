@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend import get_keras_mask, set_keras_mask
 
 from tfsmp.errors import StepError
 from tfsmp.keras.data import agree_shuffle_seed, sampler
@@ -555,18 +554,3 @@ def _dry_zeros(rows: Any, dims: tuple[int | None, ...], dtype: str) -> tf.Tensor
     if any(d is None for d in dims):
         zeros = tf.compat.v1.placeholder_with_default(zeros, shape=[None, *dims])
     return zeros
-
-
-def _reject(kwargs: dict[str, Any], names: tuple[str, ...], method: str) -> None:
-    """Keras's TypeError for unknown keywords (``names``: accepted and ignored ones)."""
-    unknown = set(kwargs) - set(names)
-    if unknown:
-        raise TypeError(f"{method}() got unexpected keyword arguments: {sorted(unknown)}")
-
-
-def _unpack(data: Any) -> tuple[Any, Any, Any]:
-    if isinstance(data, tuple):
-        padded = (*data, None, None, None)
-        return padded[0], padded[1], padded[2]
-    return data, None, None
-

@@ -52,7 +52,8 @@ def _unpack(data: Any) -> tuple[Any, Any, Any]:
     return x, y, sw
 
 
-def _agree(model: DistributedModel, batch: Any, phase: str) -> bool:
+def _agree(model: DistributedModel, batch: Any, phase: str,
+           error: BaseException | None = None) -> bool:
     """[Note: replicas run out together] One small allgather before every step: whether every
     rank has a batch, which phase each rank is in, and each batch's digest. Returns whether all
     ranks have one (False: all ran out together).
@@ -60,12 +61,25 @@ def _agree(model: DistributedModel, batch: Any, phase: str) -> bool:
     Raises:
         StepError: on every rank alike, when some ranks ran out and others did not, ranks are
             in different phases (one evaluates while another trains), or the batches differ.
+        Exception: ``error``, the one this rank met reading its batch; its peers raise a
+            StepError that names it (a rank that cannot read its data ends the step everywhere).
     """
     state = model.runtime_state()
     world = state.comm.world
-    mine = (phase, batch is not None, None if batch is None else batch_digest(batch))
-    got = world.allgather_obj(mine)
+    failed = None if error is None else f"{type(error).__name__}: {error}".splitlines()[0]
+    mine = (phase, batch is not None, None if batch is None else batch_digest(batch), failed)
+    everyone = world.allgather_obj(mine)
     tag = f"[{state.tag()}]"
+    failures = [(r, e) for r, (*_, e) in enumerate(everyone) if e is not None]
+    if failures:
+        if error is not None:
+            raise error
+        r, what = failures[0]
+        raise StepError(
+            f"{tag} Every rank must read its next batch. Received: rank {r} failed reading its "
+            f"batch in {phase} ({what}). Fix the data on that rank (its own message says how).")
+    got = [(p, h, d) for p, h, d, _ in everyone]
+    where = _where(model, phase)
     phases = sorted({p for p, _, _ in got})
     if len(phases) > 1:
         where = ", ".join(f"rank {r}: {p}" for r, (p, _, _) in enumerate(got))
@@ -78,17 +92,27 @@ def _agree(model: DistributedModel, batch: Any, phase: str) -> bool:
     if all(have):
         digests = [d for _, _, d in got]
         if different_ranks(digests, list(world.ranks)):
-            raise same_batch_error(tag, digests, list(world.ranks), f"in {phase}")
+            raise same_batch_error(tag, digests, list(world.ranks), where)
         return True
     if any(have):
         short = [r for r, h in enumerate(have) if not h]
         replicas = sorted({state.topology.data_rank_of(r) for r in short})
         raise StepError(
             f"{tag} Every rank's dataset must yield the same number of batches. Received: "
-            f"rank(s) {short} (data replica(s) {replicas}) ran out of data in {phase} while "
-            f"the others had a batch. Give every rank the same dataset (seeded alike), or pass "
+            f"rank(s) {short} (data replica(s) {replicas}) ran out of data {where} while the "
+            f"others had a batch. Give every rank the same dataset (seeded alike), or pass "
             f"steps_per_epoch= no larger than the shortest one.")
     return False
+
+
+def _where(model: DistributedModel, phase: str) -> str:
+    """Where a step of ``phase`` is, for messages: fit's epoch and step, else the phase."""
+    if phase != "fit":
+        return f"in {phase}"
+    from tfsmp.checkpoint.fit_resume import current_position
+
+    position = current_position(model) or {"epoch": 0, "step": 0}
+    return f"at step {position['step']} of epoch {position['epoch']}"
 
 
 def agree_finished(model: DistributedModel, phase: str) -> None:
@@ -110,11 +134,14 @@ class TrainerSteps:
 
     def _next(self, iterator: Iterator[Any], phase: str) -> Any | None:
         """The next batch every rank agrees on (None: every rank ran out)."""
+        data, error = None, None
         try:
             data = next(iterator)
         except _EXHAUSTED:
-            data = None
-        if not _agree(self.model, data, phase):
+            pass
+        except Exception as e:  # every rank learns of it in the agreement, and stops alike
+            error = e
+        if not _agree(self.model, data, phase, error):
             return None
         return data
 
