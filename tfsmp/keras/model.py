@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from tfsmp.errors import StepError
 from tfsmp.keras.data import agree_shuffle_seed, sampler
-from tfsmp.keras.overrides import check_overrides
+from tfsmp.keras.overrides import check_overrides, check_trainable
 
 if TYPE_CHECKING:
     from tfsmp.core import State
@@ -352,6 +352,9 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             self._check_compiled()
         check_overrides(self, entry, rank_tag=self._rank_tag())
         if train:
+            config, data = self._state.config, self._state.comm.data.size
+            check_trainable(self, pipeline_ranks=config.partitions,
+                            parts=config.microbatches * data, rank_tag=self._rank_tag())
             self._refresh_engine()
         if self._trainer_steps is None:
             self._trainer_steps = TrainerSteps(self)

@@ -713,7 +713,12 @@ class Engine:
         if self._direct:
             return  # each variable was updated in its stage's backward ([Note: direct update])
         self.ties.reduce()  # sum tied copies' gradients over their stages, before the step
-        if not self.variables or self._bridge is None:
+        if not self.variables and self.optimizer is not None:
+            # a rank with nothing to train counts the step too: callbacks there read the
+            # optimizer's iterations (and learning-rate schedules) as on every other rank
+            self.optimizer.iterations.assign_add(1)
+            return
+        if self._bridge is None:
             return
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
         for j, (_, s, i) in enumerate(self._unique):
