@@ -167,6 +167,8 @@ class Engine:
         self._idle_actions: dict[int, list[Action]] = {}
         self.steps = 0
         self.skipped_steps = 0
+        # the config's, or "skip" while a fit has Keras's TerminateOnNaN (tfsmp/keras/model.py)
+        self.nonfinite: str = config.nonfinite
         self._outputs: ShapeResolver | None = None
         self._layer_losses: bool | None = None  # does any stage of the job add layer losses?
         self._warned_state = False
@@ -270,7 +272,7 @@ class Engine:
             mb = self._microbatches(x, y, sample_weight, shape, scale=scale)[0]
             self.steps += 1
             result, applied = one_call.run(mb, step_number=self.steps,
-                                           nonfinite=self.config.nonfinite, tracer=self._tracer)
+                                           nonfinite=self.nonfinite, tracer=self._tracer)
             self.skipped_steps += not applied
             result.microbatches = [mb]
             return result
@@ -732,7 +734,7 @@ class Engine:
         """[Note: consistent skips] Skips the update on every rank, or raises on every rank."""
         self.skipped_steps += 1  # the next step starts from fresh accumulators
         if (self._bridge is not None and self._bridge.on_nonfinite()) or \
-                self.config.nonfinite == "skip":
+                self.nonfinite == "skip":
             return
         grads = {s: i for r in report for s, i in r[1].items()}
         mbs = sorted({i for r in report for i in r[2]})
