@@ -18,7 +18,8 @@ pytestmark = pytest.mark.mpi
 CASES = ["case_callbacks_m2", "case_shuffled_arrays_m2", "case_pydataset_shuffled_m2",
          "case_dataset_steps_per_epoch_m2", "case_metric_per_batch_m4",
          "case_freeze_and_recompile_m2", "case_save_keras_file_m2",
-         "case_optimizer_state_everywhere_m2", "case_refusals_m4"]
+         "case_optimizer_state_everywhere_m2", "case_refusals_m4", "case_swap_ema_weights_m2",
+         "case_terminate_on_nan_m2", "case_string_inputs_m2"]
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +81,17 @@ def test_what_a_pipeline_cannot_train_is_refused_before_training(results: dict) 
     assert "Received: GlobalNormSGD.apply with partitions=2. Override update_step()" in \
         r["apply_override"]
     assert "Received: stateful layer(s) ['lstm'] with 4 parts per batch" in r["stateful_rnn"], r
+
+
+def test_swap_ema_weights_validates_on_the_moving_averages(results: dict) -> None:
+    r = _both(results, "case_swap_ema_weights_m2")
+    assert r["history_same"], r["detail"]
+
+
+def test_terminate_on_nan_stops_training_as_in_keras(results: dict) -> None:
+    r = _both(results, "case_terminate_on_nan_m2")
+    assert r["got"] == r["want"] == "{'loss': [nan]}"
+
+
+def test_string_inputs_train_through_a_lookup_on_the_first_stage(results: dict) -> None:
+    assert _both(results, "case_string_inputs_m2")["history_same"]

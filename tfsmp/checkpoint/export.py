@@ -80,7 +80,10 @@ def remember_inputs(dm: Any, sample_x: Any) -> None:
     import tensorflow as tf
 
     def dtype(t: Any) -> str:
-        return str(keras.backend.standardize_dtype(getattr(t, "dtype", None) or "float32"))
+        kind = getattr(t, "dtype", None) or "float32"
+        if isinstance(kind, np.dtype) and kind.kind in "OSU":
+            return "string"  # NumPy's arrays of bytes or str: TensorFlow's strings
+        return str(keras.backend.standardize_dtype(kind))
 
     if isinstance(sample_x, dict):  # by input name: flattening would sort the keys
         _FED[dm] = {str(k): dtype(v) for k, v in sample_x.items() if not isinstance(v, dict)}

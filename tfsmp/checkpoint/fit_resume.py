@@ -93,15 +93,20 @@ def current_position(model: Any) -> dict[str, int] | None:
 def fit_callbacks(model: Any, sample: Any, callbacks: Any) -> list[Any]:
     """The user's callbacks between tfsmp's head and tail callbacks. See the module docstring.
     ``sample()`` returns a batch (or spec) to partition the model with before the first step."""
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
-    user = list(keras.tree.flatten(callbacks)) if callbacks else []
+    user = user_callbacks(callbacks)
     head = _Head(sample, user)
     # Keras's CallbackList looks for a History and a ProgbarLogger among its callbacks
     kept = [c for c in user if isinstance(c, (keras.callbacks.History,
                                               keras.callbacks.ProgbarLogger))]
     shifted = [c for c in user if not any(c is k for k in kept)]
     return [head, *kept, *([_Shifted(shifted, head)] if shifted else []), _Tail(user)]
+
+
+def user_callbacks(callbacks: Any) -> list[Any]:
+    """The callbacks a user passed to ``fit``: a list, nested lists or a CallbackList."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    return list(keras.tree.flatten(callbacks)) if callbacks else []
 
 
 def _keras_backups(callbacks: list[Any]) -> list[Any]:

@@ -396,7 +396,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         agree_shuffle_seed(self._state.comm.world)
         wrapped = fit_resume.fit_callbacks(self, sampler(x, batch_size), callbacks)
         self._terminate_on_nan = any(isinstance(c, keras.callbacks.TerminateOnNaN)
-                                     for c in wrapped)
+                                     for c in fit_resume.user_callbacks(callbacks))
         try:
             history = super().fit(x, y, batch_size, epochs, self._rank_verbose(verbose),
                                   wrapped, **kwargs)

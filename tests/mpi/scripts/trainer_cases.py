@@ -305,3 +305,59 @@ def case_refusals_m4(ctx: Any) -> dict[str, str]:
     except Exception as e:
         out["stateful_rnn"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def case_swap_ema_weights_m2(ctx: Any) -> dict[str, Any]:
+    """SwapEMAWeights(swap_on_epoch=True): validation on the moving averages, as in Keras."""
+    x, y = _data()
+
+    def run(model: Any) -> dict[str, Any]:
+        model.compile(optimizer=keras.optimizers.SGD(0.05, use_ema=True), loss="mse")
+        return dict(model.fit(x, y, batch_size=BATCH, epochs=2, validation_data=(x, y),
+                              verbose=0, shuffle=False,
+                              callbacks=[keras.callbacks.SwapEMAWeights(swap_on_epoch=True)]
+                              ).history)
+
+    want = run(_mlp())
+    dm = _pipelined(_mlp, _m(ctx), x, ctx)
+    got = run(dm)
+    return {"history_same": _same_history(got, want), "detail": [got, want]}
+
+
+def case_terminate_on_nan_m2(ctx: Any) -> dict[str, Any]:
+    """TerminateOnNaN stops training at the first non-finite loss, as in Keras (no error)."""
+    x, y = _data()
+    x[20] = np.nan  # the second batch
+
+    def run(model: Any) -> dict[str, Any]:
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        history = model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
+                            callbacks=[keras.callbacks.TerminateOnNaN()]).history
+        return {k: [float(v) for v in vs] for k, vs in history.items()}
+
+    want = run(_mlp())
+    got = run(_pipelined(_mlp, _m(ctx), x, ctx))
+    return {"got": str(got), "want": str(want)}
+
+
+def case_string_inputs_m2(ctx: Any) -> dict[str, Any]:
+    """String inputs through a StringLookup on the first stage."""
+    xs = tf.constant([["a"], ["b"], ["c"], ["d"]] * 8)
+    ys = (np.arange(32, dtype=np.float32)[:, None] / 32)
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((1,), dtype="string", name="x")
+        h = keras.layers.StringLookup(vocabulary=["a", "b", "c"], name="lookup")(inp)
+        h = keras.layers.Embedding(5, 4, name="emb")(h)
+        h = keras.layers.Flatten(name="flat")(h)
+        return keras.Model(inp, keras.layers.Dense(1, name="out")(h))
+
+    def run(model: Any) -> Any:
+        model.compile(optimizer="sgd", loss="mse")
+        return model.fit(xs, ys, batch_size=8, epochs=2, verbose=0, shuffle=False).history
+
+    want = run(build())
+    dm = _pipelined(build, _m(ctx), xs, ctx, cut="lookup")
+    got = run(dm)
+    return {"history_same": _same_history(got, want), "detail": [got, want]}
