@@ -19,7 +19,8 @@ CASES = ["case_callbacks_m2", "case_shuffled_arrays_m2", "case_pydataset_shuffle
          "case_dataset_steps_per_epoch_m2", "case_metric_per_batch_m4",
          "case_freeze_and_recompile_m2", "case_save_keras_file_m2",
          "case_optimizer_state_everywhere_m2", "case_refusals_m4", "case_swap_ema_weights_m2",
-         "case_terminate_on_nan_m2", "case_string_inputs_m2"]
+         "case_terminate_on_nan_m2", "case_string_inputs_m2", "case_balancing_loss_m1",
+         "case_balancing_loss_m4"]
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +96,12 @@ def test_terminate_on_nan_stops_training_as_in_keras(results: dict) -> None:
 
 def test_string_inputs_train_through_a_lookup_on_the_first_stage(results: dict) -> None:
     assert _both(results, "case_string_inputs_m2")["history_same"]
+
+
+def test_a_balancing_loss_is_exact_at_one_part_and_warned_once_at_more(results: dict) -> None:
+    one = _both(results, "case_balancing_loss_m1")
+    assert one["history_same"] and one["weights_same"] and one["warned"] == [[], []]
+    more = _both(results, "case_balancing_loss_m4")
+    warned = [w for rank in more["warned"] for w in rank]
+    assert len(warned) == 1, warned
+    assert "Layer(s) ['router'] add a loss that is neither a sum nor a mean" in warned[0]

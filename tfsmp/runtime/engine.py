@@ -317,6 +317,15 @@ class Engine:
         honour ([Note: one owner of the step])."""
         mine = any([p.measure_layer_losses() for p in self.programs.values()]) or bool(
             self._regularized())
+        split = sorted({n for p in self.programs.values() for n in p.per_microbatch_losses()})
+        if split and self.m * self.dp_size > 1:
+            warnings.warn(
+                f"{self.rank_tag} Layer(s) {split} add a loss that is neither a sum nor a mean "
+                f"over their samples (a mixture-of-experts balancing loss, for example): with "
+                f"{self.m * self.dp_size} parts per step it is computed per microbatch and "
+                f"averaged over the rows, as pipeline frameworks do; one part per step "
+                f"(microbatches=1, one replica) gives plain Keras's value "
+                f"(docs/keras_semantics.md, \"Per microbatch\").", stacklevel=2)
         with _watched("every rank's layer-loss flag (an allgather)"):
             self._layer_losses = any(self.comm.world.allgather_obj(mine))
         rows = min(mbatch.batch_size_of(x), 3)

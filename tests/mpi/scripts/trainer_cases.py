@@ -361,3 +361,49 @@ def case_string_inputs_m2(ctx: Any) -> dict[str, Any]:
     dm = _pipelined(build, _m(ctx), xs, ctx, cut="lookup")
     got = run(dm)
     return {"history_same": _same_history(got, want), "detail": [got, want]}
+
+
+class Router(keras.layers.Layer):  # type: ignore[misc]
+    """A mixture-of-experts router adding a load-balancing loss (Switch Transformer's): the
+    product of the batch's routed fractions and mean probabilities, neither a sum nor a mean."""
+
+    def __init__(self, experts: int = 4, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.gate = keras.layers.Dense(experts, name="gate")
+        self.experts = experts
+
+    def call(self, h: Any) -> Any:
+        probs = keras.ops.softmax(self.gate(h))
+        routed = keras.ops.one_hot(keras.ops.argmax(probs, axis=-1), self.experts)
+        balance = self.experts * keras.ops.sum(keras.ops.mean(routed, 0) * keras.ops.mean(probs, 0))
+        self.add_loss(0.1 * balance)
+        return h * keras.ops.max(probs, axis=-1, keepdims=True)
+
+
+def case_balancing_loss_m1(ctx: Any) -> dict[str, Any]:
+    """A balancing loss neither sum nor mean: at one part per step, plain Keras's numbers; at
+    more, one warning naming the layer (case_balancing_loss_m4)."""
+    x, y = _data()
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((8,), name="x")
+        h = keras.layers.Dense(16, activation="tanh", name="d0")(inp)
+        h = Router(name="router")(h)
+        return keras.Model(inp, keras.layers.Dense(3, name="out")(h))
+
+    ref = build()
+    ref.compile(**_compile())
+    want = ref.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False).history
+    dm = _pipelined(build, _m(ctx), x, ctx)
+    dm.compile(**_compile())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = dm.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False).history
+    warned = [str(w.message) for w in caught if "neither a sum nor a mean" in str(w.message)]
+    return {"history_same": _same_history(got, want),
+            "weights_same": _same_weights(dm.get_weights(), ref.get_weights()),
+            "warned": ctx.world.allgather(warned)}
+
+
+case_balancing_loss_m4 = case_balancing_loss_m1
