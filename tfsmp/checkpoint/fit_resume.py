@@ -171,8 +171,8 @@ class _Head(keras.callbacks.Callback):  # type: ignore[misc]
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         setattr(self.model, _MODEL_ATTR, {"epoch": epoch + 1, "step": 0})
         if self.offset:
-            warnings.filters[:] = [f for f in warnings.filters if f[1] is None or
-                                   f[1].pattern != _RAN_OUT]
+            kept = [f for f in warnings.filters if f[1] is None or f[1].pattern != _RAN_OUT]
+            warnings.filters[:] = kept  # type: ignore[index]
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self._partition_first:

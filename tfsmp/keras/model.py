@@ -19,6 +19,11 @@ At first use the model is traced, planned into ``partitions × virtual_stages`` 
 rank 0, then broadcast so every rank runs the same plan), and each rank keeps only its own
 stages' variables: a model built inside `deferred_init()` allocates nothing until then; a built
 model releases the variables other ranks own.
+
+Training is Keras's own trainer: `fit`, `evaluate`, `predict` and the ``*_on_batch`` calls are
+`keras.Model`'s, and this class supplies only the step functions they call
+(`make_train_function` and its siblings: [Note: Keras's trainer drives] in
+tfsmp/keras/trainer_steps.py).
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         # variable ids and trainable flags at partitioning: [Note: changing the model]
         self._trained_set: tuple[tuple[int, ...], tuple[bool, ...]] | None = None
         self._profile_batch: Any = None
+        self._resume_skip = 0  # [Note: exact resume] in tfsmp/checkpoint/fit_resume.py
+        self._terminate_on_nan = False  # a fit with Keras's TerminateOnNaN: `nonfinite_mode`
         DistributedModel._live.append(weakref.ref(self))
 
     _live: list[weakref.ref[Any]] = []
@@ -358,25 +365,28 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             self._refresh_engine()
         if self._trainer_steps is None:
             self._trainer_steps = TrainerSteps(self)
-        return self._trainer_steps  # type: ignore[no-any-return]
+        return self._trainer_steps
 
     def make_train_function(self, force: bool = False) -> Any:
-        if self.train_function is not None and not force:
-            return self.train_function
-        self.train_function = self._steps("fit", train=True, loss=True).train
-        return self.train_function
+        return self._install("train_function", force,
+                             lambda: self._steps("fit", train=True, loss=True).train)
 
     def make_test_function(self, force: bool = False) -> Any:
-        if self.test_function is not None and not force:
-            return self.test_function
-        self.test_function = self._steps("evaluate", loss=True).test
-        return self.test_function
+        return self._install("test_function", force,
+                             lambda: self._steps("evaluate", loss=True).test)
 
     def make_predict_function(self, force: bool = False) -> Any:
-        if self.predict_function is not None and not force:
-            return self.predict_function
-        self.predict_function = self._steps("predict").predict
-        return self.predict_function
+        return self._install("predict_function", force, lambda: self._steps("predict").predict)
+
+    def _install(self, name: str, force: bool, make: Callable[[], Any]) -> Any:
+        """Keras's ``make_*_function`` contract: the function Keras keeps in ``name``, made
+        once (after each compile) unless ``force``."""
+        current = getattr(self, name, None)
+        if current is not None and not force:
+            return current
+        function = make()
+        setattr(self, name, function)
+        return function
 
     def _rank_verbose(self, verbose: Any) -> Any:
         """Keras's progress bar on world rank 0 only (every rank runs Keras's loop)."""
@@ -448,14 +458,14 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         parameter, or, during a ``fit`` with Keras's ``TerminateOnNaN``, "skip": the step
         reports the loss (NaN) without applying the update and the callback stops training,
         where plain Keras would also have applied the non-finite update."""
-        if getattr(self, "_terminate_on_nan", False):
+        if self._terminate_on_nan:
             return "skip"
         return str(self.runtime_state().config.nonfinite)
 
     def take_resume_skip(self) -> int:
         """Batches of the current epoch that an interrupted run had trained on, once: the
         step functions pass over them ([Note: exact resume] in fit_resume)."""
-        skip, self._resume_skip = int(getattr(self, "_resume_skip", 0) or 0), 0
+        skip, self._resume_skip = self._resume_skip, 0
         return skip
 
     def skip_batches(self, count: int) -> None:

@@ -42,7 +42,9 @@ def _concat(parts: list[list[Output]]) -> list[Output]:
     for j in range(len(parts[0])):
         values = np.concatenate([p[j][0] for p in parts])
         masks = [p[j][1] for p in parts]
-        mask = None if any(m is None for m in masks) else np.concatenate(masks)
+        mask: np.ndarray | None = None
+        if all(m is not None for m in masks):
+            mask = np.concatenate([m for m in masks if m is not None])
         out.append((values, mask))
     return out
 
