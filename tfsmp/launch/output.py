@@ -127,23 +127,41 @@ def _pump(source: IO[bytes], sink: IO[str], keep: OutputFilter) -> None:
 
 def run_filtered(argv: Sequence[str], *, tf_logs: bool = False,
                  env: Mapping[str, str] | None = None,
-                 started: Callable[[subprocess.Popen[bytes]], object] | None = None) -> int:
-    """Runs `argv` (an mpirun line) with its stderr passed through `OutputFilter`.
+                 started: Callable[[subprocess.Popen[bytes]], object] | None = None,
+                 grace: float | None = None, on_stop: Callable[[], None] | None = None) -> int:
+    """Runs `argv` (an mpirun line) with its stderr passed through `OutputFilter`, owning the job.
 
     Stdout is untouched (Keras progress bars redraw with carriage returns). Returns the exit code.
     ``env``: the process's environment (default: this one's); ``started(proc)`` is called once
-    it runs (`tfsmp.launch.restart` relays signals to it).
+    it runs. A SIGTERM, SIGINT or SIGHUP meanwhile stops the job, with ``grace`` seconds for a
+    backup (None: `ownjob.grace_seconds()`), and ``on_stop()`` is called; whatever the job leaves
+    behind is killed before this returns ([Note: the launcher owns its job] in
+    tfsmp/launch/ownjob.py).
     """
+    from tfsmp.launch import ownjob
+
     keep = OutputFilter(tf_logs=tf_logs)
-    with subprocess.Popen(list(argv), stderr=subprocess.PIPE,
-                          env=None if env is None else dict(env)) as proc:
+    say = _say
+    stopper = ownjob.Stopper(ownjob.grace_seconds(grace), say=say, on_stop=on_stop)
+    with stopper, subprocess.Popen(ownjob.guarded(list(argv)), stderr=subprocess.PIPE,
+                                   env=None if env is None else dict(env),
+                                   **ownjob.popen_kwargs()) as proc:
+        stopper.attach(proc)
         if started is not None:
             started(proc)
-        if proc.stderr is None:  # pragma: no cover - stderr=PIPE always gives one
-            return proc.wait()
-        pump = threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, keep), daemon=True)
-        pump.start()
+        pump = None
+        if proc.stderr is not None:
+            pump = threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, keep),
+                                    daemon=True)
+            pump.start()
         code = proc.wait()
-        # A process the job left behind may hold the pipe open: do not wait for it long.
-        pump.join(timeout=5.0)
+        left = ownjob.sweep(proc.pid)
+        # A process the job left behind may have held the pipe open: it is gone now.
+        if pump is not None:
+            pump.join(timeout=5.0)
+    stopper.report(left)
     return code
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
