@@ -315,11 +315,12 @@ def _read_manifest_everywhere(world: Any, path: str) -> dict[str, Any]:
         try:
             got = fmt.read_manifest(path)
         except CheckpointError as e:
-            got = "ERROR:" + str(e)
+            got = "ERROR:" + checksum.gatherable(e)
     else:
         got = None
     got = world.bcast_obj(got, root=0)
     if isinstance(got, str):
+        checksum.raise_gathered([got[len("ERROR:"):]])
         raise CheckpointError(got[len("ERROR:"):])
     return dict(got)
 
