@@ -13,7 +13,6 @@ import uuid
 from pathlib import Path
 
 from tests.mpihelp import SCRIPTS, base_env
-
 from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
 
 JOB = SCRIPTS / "mpi_ready_wait.py"
