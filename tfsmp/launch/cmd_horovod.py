@@ -234,8 +234,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"Horovod is already installed and usable: {status.describe()}. "
               "Use --force to rebuild.")
         return 0
-    default_log = Path(tempfile.gettempdir()) / f"tfsmp-horovod-build-{os.getpid()}.log"
-    log_path = Path(args.log) if args.log else default_log
+    if args.log:
+        log_path = Path(args.log)
+    else:  # a new file of this user's: no predictable name in the shared temp directory
+        fd, name = tempfile.mkstemp(prefix="tfsmp-horovod-build-", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
     print(f"Building Horovod {args.version} (log: {log_path}) ...", flush=True)
     start = time.monotonic()
     try:
