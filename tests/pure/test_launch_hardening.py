@@ -55,6 +55,23 @@ def test_tfsmp_run_dry_run_shows_the_one_host_flags(capsys: pytest.CaptureFixtur
     assert "btl self,sm" not in capsys.readouterr().out
 
 
+def test_after_a_stop_mpiruns_box_per_stopped_rank_is_dropped() -> None:
+    from tfsmp.launch.output import OutputFilter
+
+    box = ["-" * 74 + "\n",
+           "prterun noticed that process rank 1 with PID 12744 on node vm exited on\n",
+           "signal 10 (User defined signal 1).\n", "-" * 74 + "\n", "after\n"]
+
+    def shown(keep: OutputFilter) -> list[str]:
+        out = [line for raw in box for line in keep.feed(raw)]
+        return out + keep.close()
+
+    assert shown(OutputFilter()) == box  # a rank killed unasked: its box is news
+    stopping = OutputFilter()
+    stopping.stopping = True
+    assert shown(stopping) == ["after\n"]
+
+
 # -- checks before work ---------------------------------------------------------------------------
 
 def test_tfsmp_run_checks_the_script_exists(tmp_path: Path,

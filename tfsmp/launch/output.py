@@ -51,6 +51,10 @@ TF_STARTUP = tuple(re.compile(p) for p in (
 _RULE = re.compile(r"^-{20,}$")
 _NONZERO = re.compile(r"^(?:prterun|mpirun) detected that one or more processes exited with "
                       r"non-zero status")
+# After a stop signal, each rank that did not keep a backup dies of the relayed SIGUSR1, and
+# mpirun says so in a box per job: expected, so dropped ([Note: the launcher owns its job]).
+_NOTICED = re.compile(r"^(?:prterun|mpirun) noticed that process rank \d+ with PID \d+ on node "
+                      r"\S+ exited on")
 _SETUP_ERROR = re.compile(r"^\[rank \d+ \| init\] \w+: ")
 _MAP_START = re.compile(r"^=+\s+JOB MAP\s+=+$")
 _MAP_END = re.compile(r"^=+$")
@@ -73,6 +77,7 @@ class OutputFilter:
     def __init__(self, tf_logs: bool = False, job_map: bool = True) -> None:
         self.tf_logs, self.job_map = tf_logs, job_map
         self.setup_error_seen = False
+        self.stopping = False  # set by the launcher once it relays a stop signal
         self.dropped = 0
         self._held: str | None = None   # a rule line that may open a box to drop
         self._skipping: re.Pattern[str] | None = None  # the line that ends the block dropped
@@ -90,7 +95,8 @@ class OutputFilter:
         out: list[str] = []
         if self._held is not None:
             held, self._held = self._held, None
-            if self.setup_error_seen and _NONZERO.match(text):
+            if (self.setup_error_seen and _NONZERO.match(text)) or (
+                    self.stopping and _NOTICED.match(text)):
                 self.dropped += 2
                 self._skipping = _RULE
                 return []
@@ -141,8 +147,13 @@ def run_filtered(argv: Sequence[str], *, tf_logs: bool = False,
     from tfsmp.launch import ownjob
 
     keep = OutputFilter(tf_logs=tf_logs)
-    say = _say
-    stopper = ownjob.Stopper(ownjob.grace_seconds(grace), say=say, on_stop=on_stop)
+
+    def stopping() -> None:
+        keep.stopping = True
+        if on_stop is not None:
+            on_stop()
+
+    stopper = ownjob.Stopper(ownjob.grace_seconds(grace), say=_say, on_stop=stopping)
     with stopper, subprocess.Popen(ownjob.guarded(list(argv)), stderr=subprocess.PIPE,
                                    env=None if env is None else dict(env),
                                    **ownjob.popen_kwargs()) as proc:
