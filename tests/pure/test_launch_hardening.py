@@ -346,3 +346,39 @@ def test_ci_runs_the_readmes_test_command_in_a_new_environment() -> None:
         assert command in ci, f".ci/run must run the README's `{command}`"
     assert ci.index("-m venv") < ci.index("bash scripts/setup.sh --test"), \
         "the environment must be new before setup runs in it"
+
+
+# -- the Horovod wheel cache ([Note: Horovod wheel cache] in tfsmp/launch/cmd_horovod.py) ----------
+
+def _fake_pip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[list[str]]:
+    from tfsmp.launch import cmd_horovod
+
+    calls: list[list[str]] = []
+
+    def run(argv: list[str], log: object, env: object = None) -> int:
+        calls.append(argv[3:])
+        if argv[3] == "wheel":  # the build leaves its wheel in -w DIR
+            out = Path(argv[argv.index("-w") + 1])
+            (out / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl").write_text("")
+        return 0
+
+    monkeypatch.setattr(cmd_horovod, "_run_logged", run)
+    monkeypatch.setattr(cmd_horovod, "_unpack_sdist", lambda d, v: tmp_path)
+    monkeypatch.setattr(cmd_horovod, "patch_xla_sources", lambda d: "line")
+    return calls
+
+
+def test_a_horovod_build_is_kept_and_installed_from_the_cache_next_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tfsmp.launch.cmd_horovod import install_horovod, wheel_dir
+
+    cache = wheel_dir("0.28.1", {"TFSMP_HOROVOD_WHEELS": str(tmp_path / "wheels")})
+    assert cache.parent == tmp_path / "wheels" and "-tf" in cache.name and "openmpi" in cache.name
+    calls = _fake_pip(monkeypatch, tmp_path)
+    assert install_horovod(log_path=tmp_path / "log", workdir=tmp_path, cache=cache) is False
+    assert [c[0] for c in calls] == ["install", "download", "wheel", "install"], calls
+    assert len(list(cache.glob("horovod-*.whl"))) == 1
+    calls.clear()
+    assert install_horovod(log_path=tmp_path / "log", workdir=tmp_path, cache=cache) is True
+    assert [c[0] for c in calls] == ["install", "install"], calls  # no download, no build
+    assert calls[1][-1].endswith(".whl")
