@@ -124,17 +124,22 @@ def guard_main(argv: list[str]) -> int:
         sys.stderr.write("tfsmp.launch.ownjob: the command to guard must follow. Received: "
                          "nothing.\n")
         return 2
-    child = subprocess.Popen(argv)
     sid = os.getsid(0)
+    children: list[subprocess.Popen[bytes]] = []
+    pending: list[int] = []  # signals that came before mpirun started
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
+        if not children:
+            pending.append(signum)
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
 
     def parent_gone(signum: int, frame: FrameType | None) -> None:
         forward(signal.SIGTERM, frame)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.wait(KILL_AFTER)
+        for child in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(KILL_AFTER)
         kill_session(sid)
         os._exit(128 + int(signal.SIGTERM))
 
@@ -143,7 +148,10 @@ def guard_main(argv: list[str]) -> int:
     signal.signal(PARENT_GONE, parent_gone)
     if os.getppid() == 1:  # the launcher died before the guard could listen
         parent_gone(PARENT_GONE, None)
-    code = child.wait()
+    children.append(subprocess.Popen(argv))
+    for waiting in pending:
+        forward(waiting, None)
+    code = children[0].wait()
     return code if code >= 0 else 128 - code
 
 
