@@ -122,12 +122,17 @@ class OutputFilter:
 
 
 def _pump(source: IO[bytes], sink: IO[str], keep: OutputFilter) -> None:
+    last = "\n"
     for raw in iter(source.readline, b""):
         for line in keep.feed(raw.decode("utf-8", "replace")):
             sink.write(line)
+            last = line[-1:] or last
         sink.flush()
     for line in keep.close():
         sink.write(line)
+        last = line[-1:] or last
+    if last != "\n":  # a rank's unfinished last line: what the launcher says goes on a new one
+        sink.write("\n")
     sink.flush()
 
 
