@@ -31,7 +31,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from tfsmp.checkpoint import keras_h5, keras_optimizer
+from tfsmp.checkpoint import checksum, keras_h5, keras_optimizer
 from tfsmp.checkpoint.keras_h5 import Entry, H5Layout
 from tfsmp.errors import CheckpointError
 
@@ -533,8 +533,9 @@ def _load_now(dm: Any, path: str, skip_mismatch: bool, exclude: frozenset[int] =
                     raise
                 notes = [f"Skipped the optimizer's state while loading weights: {e}"]
     except Exception as e:  # every rank must learn of it before anyone assigns
-        errors = [str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"]
+        errors = [checksum.gatherable(e)]
     everyone = [e for part in world.allgather_obj(errors) for e in part]
+    checksum.raise_gathered(everyone)  # an unreadable file: an OSError, no skip_mismatch advice
     if everyone:
         more = f" (and {len(everyone) - 1} more)" if len(everyone) > 1 else ""
         raise CheckpointError(everyone[0] + more + " Pass skip_mismatch=True to skip them.")
@@ -556,8 +557,9 @@ def _load_optimizer_now(dm: Any, path: str) -> None:
     try:
         values, notes = _read_optimizer(dm, path)
     except Exception as e:
-        errors = [str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"]
+        errors = [checksum.gatherable(e)]
     everyone = [e for part in world.allgather_obj(errors) for e in part]
+    checksum.raise_gathered(everyone)
     if everyone:
         raise CheckpointError(everyone[0])
     for message in notes:
