@@ -204,7 +204,9 @@ class TrainerSteps:
             _agree(self.model, x, "predict")
             chunks.append(self.forward(x))
         flat = [np.concatenate([c[j] for c in chunks]) for j in range(len(chunks[0]))]
-        return self.model.rank_view_or_raise().traced.pack_outputs(flat)
+        # tensors, as Keras's predict function returns (its predict calls .numpy() on them)
+        return self.model.rank_view_or_raise().traced.pack_outputs(
+            [tf.convert_to_tensor(v) for v in flat])
 
     def forward(self, x: Any) -> list[np.ndarray]:
         """Pipelined forward of a global batch; its merged outputs (NumPy) on every rank."""

@@ -407,3 +407,46 @@ def case_balancing_loss_m1(ctx: Any) -> dict[str, Any]:
 
 
 case_balancing_loss_m4 = case_balancing_loss_m1
+
+
+class _StopAtEpochEnd(keras.callbacks.Callback):  # type: ignore[misc]
+    """Ends the job between an epoch's last step and its end (a preemption there)."""
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        raise KeyboardInterrupt("stopped before the epoch's end")
+
+
+def case_tfsmp_backup_positions_m2(ctx: Any) -> dict[str, Any]:
+    """tfsmp's BackupAndRestore resumes a backup written after an epoch's last step (before the
+    epoch's end), and one written after the last epoch, with the optimizer's state: the weights
+    and optimizer variables end as an uninterrupted run's."""
+    from tfsmp.checkpoint import BackupAndRestore
+
+    x, y = _data()
+    steps = len(x) // BATCH
+    fit = {"batch_size": BATCH, "verbose": 0, "shuffle": False}
+    whole = _pipelined(_mlp, _m(ctx), x, ctx)
+    whole.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    whole.fit(x, y, epochs=2, **fit)
+    want = whole.get_weights()
+    folder = ctx.world.bcast(tempfile.mkdtemp() if ctx.rank == 0 else None, root=0)
+    first = _pipelined(_mlp, _m(ctx), x, ctx)
+    first.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    backup = BackupAndRestore(folder, save_freq=steps, delete_checkpoint=False)
+    try:
+        first.fit(x, y, epochs=2, callbacks=[_StopAtEpochEnd(), backup], **fit)
+    except KeyboardInterrupt:
+        pass
+    second = _pipelined(_mlp, _m(ctx), x, ctx)
+    second.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    resumed = BackupAndRestore(folder, save_freq=steps, delete_checkpoint=False)
+    second.fit(x, y, epochs=2, callbacks=[resumed], **fit)
+    third = _pipelined(_mlp, _m(ctx), x, ctx)  # the backup now covers both epochs
+    third.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    third.fit(x, y, epochs=2, callbacks=[BackupAndRestore(folder, delete_checkpoint=False)], **fit)
+    return {"first_position": backup.restored_position,
+            "resumed_from": resumed.restored_position,
+            "resumed_same": _same_weights(second.get_weights(), want),
+            "covered_same": _same_weights(third.get_weights(), want),
+            "covered_iterations": int(third.optimizer.iterations.numpy()),
+            "steps": steps}
