@@ -58,15 +58,16 @@ EXPECTED: dict[str, tuple[str, str]] = {
         "StepError", r"^The shape of a tensor crossing stages must follow from the shapes of the "
         r"model's inputs\. Received: '[^']+' has per-sample shape \(None.*\) .* Partition the "
         r"model so that this tensor stays inside one stage"),
-    # checkpoints
-    "truncated_array": ("CheckpointError", r"^A checkpoint file has the wrong size \(truncated\?\)"
+    # checkpoints (a damaged file: CorruptFileError, a CheckpointError and an OSError, so that
+    # Keras's BackupAndRestore(double_checkpoint=True) falls back to its previous copy)
+    "truncated_array": ("CorruptFileError", r"^A checkpoint file has the wrong size \(truncated\?\)"
                         r"\. Received: file '.*/truncated_array/ckpt-1/model/d2_kernel\..*\.npy' "
                         r"for variable 'd2/kernel' has 1144 bytes, the manifest says 1152\."),
-    "checksum_mismatch": ("CheckpointError", r"^A checkpoint file does not match its checksum "
+    "checksum_mismatch": ("CorruptFileError", r"^A checkpoint file does not match its checksum "
                           r"\(corrupted\)\. Received: file '.*' for variable 'd2/kernel'"),
-    "missing_array": ("CheckpointError", r"^A checkpoint file is missing\. Received: file '.*' "
+    "missing_array": ("CorruptFileError", r"^A checkpoint file is missing\. Received: file '.*' "
                       r"for variable 'd2/kernel' does not exist\."),
-    "manifest_not_json": ("CheckpointError", r"^A checkpoint manifest must be valid JSON\. "
+    "manifest_not_json": ("CorruptFileError", r"^A checkpoint manifest must be valid JSON\. "
                           r"Received: '.*/manifest_not_json/ckpt-1/manifest\.json' does not parse"),
     "foreign_manifest": ("CheckpointError", r"^The manifest must be a tfsmp checkpoint manifest\. "
                          r"Received: format='orbax'"),
@@ -86,7 +87,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "weights_file_wrong_shapes": ("CheckpointError", r"^Weight shapes must match\. Received: "
                                   r"'.*' in '.*/wide\.weights\.h5' has shape \(8, 32\), variable "
                                   r"'d0/kernel' has \(8, 16\)\."),
-    "weights_file_not_hdf5": ("CheckpointError", r"^The weights file must be a Keras \.weights\.h5 "
+    "weights_file_not_hdf5": ("CorruptFileError", r"^The weights file must be a Keras \.weights\.h5 "
                               r"or \.keras file\. Received: '.*/notes\.weights\.h5' cannot be read"),
     # a replica runs out of data (its own launch)
     "replica_runs_out_of_data": (
