@@ -112,6 +112,18 @@ class TrainerMetrics:
         for variable, value in zip(compiled.variables, values):
             variable.assign(value)
 
+    def ensure_built(self, engine: Any, x: Any, y: Any) -> None:
+        """Builds the compiled metrics from the outputs' shapes without a step (an epoch a
+        resumed fit passes over entirely still reports Keras's logs)."""
+        compiled = self.model.compiled_metrics_object()
+        if compiled is None or compiled.built or y is None:
+            return
+        graph = engine.view.traced.graph
+        dtypes = [graph.tensors[k].dtype for k in engine.view.traced.output_keys]
+        zeros = [np.zeros([1 if d is None else d for d in shape], dtype=dtype)
+                 for shape, dtype in zip(engine.output_shapes(x), dtypes)]
+        compiled.build(y, self._pack(zeros))
+
     def _pack(self, flat: list[Any]) -> Any:
         return self.model.rank_view_or_raise().traced.pack_outputs(
             [tf.convert_to_tensor(v) for v in flat])

@@ -154,7 +154,8 @@ class TrainerSteps:
             data = self._next(iterator, "fit")
             if data is None:
                 return
-            self.model.engine_for(_unpack(data)[0])
+            x, y, _ = _unpack(data)
+            self.metrics.ensure_built(self.model.engine_for(x), x, y)
 
     # -- train / test -----------------------------------------------------------------------------
 
