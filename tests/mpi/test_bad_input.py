@@ -48,6 +48,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "unknown_fit_argument": ("TypeError", r"^TensorFlowTrainer\.fit\(\) got an unexpected "
                              r"keyword argument 'epochz'"),
     # Keras ignores batch_size for a dataset; the generator's third batch is then the bad one
+    "labels_longer_than_inputs": ("ValueError", r"^Data cardinality is ambiguous\. Make sure all "
+                                  r"arrays contain the same number of samples\."),
+    "labels_shorter_than_inputs": ("ValueError", r"^Data cardinality is ambiguous\. Make sure "
+                                   r"all arrays contain the same number of samples\."),
     "dataset_batch_size_not_int": (
         "InvalidArgumentError", r".*`generator` yielded an element of shape \(16, 9\) where an "
         r"element of shape \(None, 8\) was expected"),
