@@ -331,8 +331,9 @@ def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
     ``.h5``/``.hdf5`` (Keras's legacy HDF5 model file, as ``keras.Model.save`` writes it).
 
     Every rank calls it; world rank 0 writes a file that plain ``keras.models.load_model``
-    opens in one process. The optimizer's state is not written (it lives on the stages); use
-    `CheckpointManager` to resume training.
+    opens in one process, as ``keras.Model.save`` writes it: a ``.keras`` file keeps the
+    compile arguments and (``include_optimizer``, default True) the optimizer's state, so the
+    loaded model evaluates and trains on as the saved one would.
 
     Raises:
         ValueError: another extension or unsupported arguments.
@@ -357,11 +358,13 @@ def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
             f"For a TensorFlow SavedModel call model.save_model(directory); to resume training "
             f"use tfsmp.CheckpointManager.")
     source = dm.source_model()
+    compile_config = dm.get_compile_config() if getattr(dm, "compiled", False) else None
 
     def finish(weights: str, out: str) -> None:
-        keras_h5.write_keras_archive(out, source, weights)
+        keras_h5.write_keras_archive(out, source, weights, compile_config=compile_config)
 
-    _collective_write(dm, path, overwrite, finish)
+    _collective_write(dm, path, overwrite, finish,
+                      optimizer=compile_config is not None and kwargs.get("include_optimizer", True))
 
 
 def _save_legacy_h5(dm: Any, path: str, overwrite: bool, include_optimizer: bool) -> None:

@@ -281,9 +281,16 @@ class WeightsWriter:
         self.close()
 
 
-def write_keras_archive(path: str, model: keras.Model, weights_file: str) -> None:
-    """Writes a ``.keras`` zip (metadata, config, weights) exactly as Keras lays it out."""
+def write_keras_archive(path: str, model: keras.Model, weights_file: str,
+                        compile_config: dict[str, Any] | None = None) -> None:
+    """Writes a ``.keras`` zip (metadata, config, weights) exactly as Keras lays it out; with
+    ``compile_config`` (a compiled `DistributedModel`'s, the wrapped model being uncompiled)
+    in the config, as Keras writes a compiled model's, so ``load_model`` compiles it."""
     config_json, metadata_json = saving_lib._serialize_model_as_json(model)
+    if compile_config is not None:
+        config = json.loads(config_json)
+        config["compile_config"] = compile_config
+        config_json = json.dumps(config)
     with zipfile.ZipFile(path, "w") as zf:  # stored, not deflated: as keras writes it
         zf.writestr(METADATA_NAME, metadata_json)
         zf.writestr(CONFIG_NAME, config_json)

@@ -38,8 +38,6 @@ HOOKS: dict[str, tuple[tuple[str, ...], str]] = {
                      "(docs/keras_semantics.md)"),
     "compute_metrics": (("fit", "evaluate", "train_on_batch", "test_on_batch"),
                         "metrics are updated per microbatch on the last stage"),
-    "get_metrics_result": (("fit", "evaluate", "train_on_batch", "test_on_batch"),
-                           "logs are gathered from the last stage's metrics"),
     "make_train_function": (("fit", "train_on_batch"), "there is no single train function"),
     "make_test_function": (("fit", "evaluate", "test_on_batch"), "there is no single test function"),
     "make_predict_function": (("predict", "predict_on_batch"),

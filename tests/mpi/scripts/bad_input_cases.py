@@ -78,7 +78,7 @@ def _outcome(dm: tfsmp.DistributedModel | None, fn: Callable[[], Any],
     try:
         fn()
         error = "no error"
-    except (TfsmpError, ValueError, TypeError) as e:
+    except (TfsmpError, ValueError, TypeError, tf.errors.OpError) as e:
         error = f"{type(e).__name__}: {e}"
     unchanged = True if dm is None else _same(before or [], _snapshot(dm))
     return {"error": error, "unchanged": unchanged}
