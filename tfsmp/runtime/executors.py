@@ -8,7 +8,7 @@ Example::
     executors.forward(4)         # predict and evaluate
     executors.last               # the one that ran the last training or smp.step step
 
-An executor keeps its receive buffers between steps ([Note: receive buffers] in executor.py),
+An executor keeps its receive buffers between steps ([Note: receive buffers] in buffers.py),
 so each schedule keeps its executor.
 """
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from tfsmp.runtime.executor import aligned_empty, as_tensor, held, host_view
+from tfsmp.runtime.buffers import aligned_empty, as_tensor, held, host_view
 
 if TYPE_CHECKING:
     from tfsmp.comm.base import Group
@@ -144,7 +144,7 @@ class _FusedReducer:
     [Note: fused reduction] One compiled function flattens every variable into one tensor,
     whose memory MPI reads in place (a copy into a persistent 64-byte-aligned buffer, then
     ``Allreduce`` in place), and a second compiled function splits the reduced buffer
-    (aliased through DLPack, `executor.as_tensor`), scales, casts and assigns it back: two
+    (aliased through DLPack, `buffers.as_tensor`), scales, casts and assigns it back: two
     TensorFlow calls per reduction instead of a conversion per variable (2-4x faster,
     docs/performance.md).
     """
