@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import keras
@@ -61,6 +62,7 @@ from tfsmp.runtime import preemption
 
 __all__ = ["POSITION_ATTR", "fit_callbacks", "read_position"]
 
+_RAN_OUT = "Your input ran out of data"  # Keras's EpochIterator warning
 POSITION_ATTR = "tfsmp_fit_position"  # root attribute of a .weights.h5 written during fit
 _MODEL_ATTR = "_tfsmp_fit_position"   # where fit's current position lives on the model
 
@@ -94,7 +96,12 @@ def fit_callbacks(model: Any, sample: Any, callbacks: Any) -> list[Any]:
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     user = list(keras.tree.flatten(callbacks)) if callbacks else []
-    return [_Head(sample, user), *user, _Tail(user)]
+    head = _Head(sample, user)
+    # Keras's CallbackList looks for a History and a ProgbarLogger among its callbacks
+    kept = [c for c in user if isinstance(c, (keras.callbacks.History,
+                                              keras.callbacks.ProgbarLogger))]
+    shifted = [c for c in user if not any(c is k for k in kept)]
+    return [head, *kept, *([_Shifted(shifted, head)] if shifted else []), _Tail(user)]
 
 
 def _keras_backups(callbacks: list[Any]) -> list[Any]:
@@ -117,7 +124,7 @@ class _Head(keras.callbacks.Callback):  # type: ignore[misc]
         self._partition_first = bool(self._backups) or _has_tfsmp_backup(user)
         self._checkpoints = [c for c in user if isinstance(c, keras.callbacks.ModelCheckpoint)]
         self._epoch = 0
-        self._offset = 0  # batches of this epoch passed over (a resumed epoch)
+        self.offset = 0  # batches of this epoch passed over (a resumed epoch)
         self._first_epoch = True
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
@@ -141,25 +148,73 @@ class _Head(keras.callbacks.Callback):  # type: ignore[misc]
         world.barrier()
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self._epoch, self._offset = epoch, 0
+        self._epoch, self.offset = epoch, 0
         if self._first_epoch:  # the tail callback (or tfsmp's backup) set where to resume
             self._first_epoch = False
             start_epoch, start_step = self.model.resume_position()
             if start_step and start_epoch == epoch:
-                self._offset = start_step
+                self.offset = start_step
                 self.model.skip_batches(start_step)
+                # the shortened epoch ends when the data does, which Keras warns of
+                warnings.filterwarnings("ignore", message=_RAN_OUT)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        position = {"epoch": self._epoch, "step": self._offset + batch + 1}
+        position = {"epoch": self._epoch, "step": self.offset + batch + 1}
         setattr(self.model, _MODEL_ATTR, position)
         relaunch.publish_progress(position)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         setattr(self.model, _MODEL_ATTR, {"epoch": epoch + 1, "step": 0})
+        if self.offset:
+            warnings.filters[:] = [f for f in warnings.filters if f[1] is None or
+                                   f[1].pattern != _RAN_OUT]
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self._partition_first:
             _world(self.model).barrier()  # every rank's last backup is written before deletion
+
+
+_PLAIN_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+                "on_test_begin", "on_test_end", "on_predict_begin", "on_predict_end",
+                "on_test_batch_begin", "on_test_batch_end", "on_predict_batch_begin",
+                "on_predict_batch_end")
+
+
+class _Shifted(keras.callbacks.Callback):  # type: ignore[misc]
+    """The user's callbacks, in their order, with the batch index of a resumed epoch counted
+    from the epoch's beginning ([Note: exact resume]): Keras's loop counts the batches it runs,
+    from 0; a callback sees the batch's place in the epoch, as in an uninterrupted run."""
+
+    def __init__(self, inner: list[Any], head: _Head) -> None:
+        super().__init__()
+        self.inner = inner
+        self._head = head
+        for hook in _PLAIN_HOOKS:
+            setattr(self, hook, self._forward(hook))
+
+    def _forward(self, hook: str) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> None:
+            for c in self.inner:
+                getattr(c, hook)(*args, **kwargs)
+        return forward
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        for c in self.inner:
+            c.set_model(model)
+
+    def set_params(self, params: Any) -> None:
+        super().set_params(params)
+        for c in self.inner:
+            c.set_params(params)
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        for c in self.inner:
+            c.on_train_batch_begin(self._head.offset + batch, logs)
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        for c in self.inner:
+            c.on_train_batch_end(self._head.offset + batch, logs)
 
 
 def _has_tfsmp_backup(callbacks: list[Any]) -> bool:

@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from tfsmp.errors import StepError
 from tfsmp.keras.data import agree_shuffle_seed, sampler
-from tfsmp.keras.overrides import check_overrides
+from tfsmp.keras.overrides import check_overrides, check_trainable
 
 if TYPE_CHECKING:
     from tfsmp.core import State
@@ -352,6 +352,9 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             self._check_compiled()
         check_overrides(self, entry, rank_tag=self._rank_tag())
         if train:
+            config, data = self._state.config, self._state.comm.data.size
+            check_trainable(self, pipeline_ranks=config.partitions,
+                            parts=config.microbatches * data, rank_tag=self._rank_tag())
             self._refresh_engine()
         if self._trainer_steps is None:
             self._trainer_steps = TrainerSteps(self)
@@ -392,11 +395,14 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         check_overrides(self, "fit", rank_tag=self._rank_tag())
         agree_shuffle_seed(self._state.comm.world)
         wrapped = fit_resume.fit_callbacks(self, sampler(x, batch_size), callbacks)
+        self._terminate_on_nan = any(isinstance(c, keras.callbacks.TerminateOnNaN)
+                                     for c in wrapped)
         try:
             history = super().fit(x, y, batch_size, epochs, self._rank_verbose(verbose),
                                   wrapped, **kwargs)
         finally:
             self.resume_at(None, 0)
+            self._terminate_on_nan = False
         agree_finished(self, "fit")
         return history
 
@@ -436,6 +442,15 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def compiled_metrics_object(self) -> Any:
         """Keras's `CompileMetrics` of the compiled metrics (None: none compiled)."""
         return getattr(self, "_compile_metrics", None)
+
+    def nonfinite_mode(self) -> str:
+        """What a training step does with a non-finite loss or gradient: the ``nonfinite``
+        parameter, or, during a ``fit`` with Keras's ``TerminateOnNaN``, "skip": the step
+        reports the loss (NaN) without applying the update and the callback stops training,
+        where plain Keras would also have applied the non-finite update."""
+        if getattr(self, "_terminate_on_nan", False):
+            return "skip"
+        return str(self.runtime_state().config.nonfinite)
 
     def take_resume_skip(self) -> int:
         """Batches of the current epoch that an interrupted run had trained on, once: the

@@ -185,6 +185,7 @@ class TrainerSteps:
             raise StepError(
                 f"[{model.runtime_state().tag()}] The loss needs targets. Received: y=None. "
                 f"Pass y to fit(), or yield (x, y) pairs from the dataset.")
+        engine.nonfinite = model.nonfinite_mode()
         result = engine.train_step(x, y, sw)  # the global batch: [Note: one owner of the step]
         return self.metrics.after_step(engine.view, result, x, y, sw)
 

@@ -126,6 +126,8 @@ class Engine:
         self._shape = StepShape(0, (0,), 0, 0, 0, 0)  # the last training step's
         self.steps = 0
         self.skipped_steps = 0
+        # the config's, or "skip" while a fit has Keras's TerminateOnNaN (tfsmp/keras/model.py)
+        self.nonfinite: str = config.nonfinite
         self._layer_losses: bool | None = None  # does any stage of the job add layer losses?
         self._state = StateWatch(self.programs, rank_tag)
         self.set_optimizer(optimizer)
@@ -201,7 +203,7 @@ class Engine:
             mb = self.batching.microbatches(x, y, sample_weight, shape,
                                             objective=self._objective(), scale=scale)[0]
             result, applied = one_call.run(mb, step_number=self.steps,
-                                           nonfinite=self.config.nonfinite, tracer=self._tracer)
+                                           nonfinite=self.nonfinite, tracer=self._tracer)
             self.skipped_steps += not applied
             result.microbatches = [mb]
             return result
@@ -335,7 +337,12 @@ class Engine:
             return  # each variable was updated in its stage's backward ([Note: direct update])
         grads = {s: r.grads for s, r in result.stages.items()}
         self.ties.reduce(grads)  # sum tied copies' gradients over their stages, before the step
-        if not self._unique or self._bridge is None:
+        if not self._unique and self.optimizer is not None:
+            # a rank with nothing to train counts the step too: callbacks there read the
+            # optimizer's iterations (and learning-rate schedules) as on every other rank
+            self.optimizer.iterations.assign_add(1)
+            return
+        if self._bridge is None:
             return
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
         for j, (_, s, i) in enumerate(self._unique):
@@ -349,7 +356,7 @@ class Engine:
         """[Note: consistent skips] Skips the update on every rank, or raises on every rank."""
         self.skipped_steps += 1  # the next step starts from fresh accumulators
         if (self._bridge is not None and self._bridge.on_nonfinite()) or \
-                self.config.nonfinite == "skip":
+                self.nonfinite == "skip":
             return
         raise StepError(report.nonfinite_message(self.rank_tag, self.steps, self._direct))
 
