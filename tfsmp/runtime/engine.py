@@ -50,7 +50,6 @@ from tfsmp.runtime.executor import Executor, StepResult
 from tfsmp.runtime.executors import Executors
 from tfsmp.runtime.fused_step import OneCallStep
 from tfsmp.runtime.hooks import Head, StageResult, StepMode
-from tfsmp.runtime.memory import DirectUpdate
 from tfsmp.runtime.objective import Objective
 from tfsmp.runtime.optimizer_options import OptimizerBridge
 from tfsmp.runtime.reduction import Reduction
@@ -58,6 +57,7 @@ from tfsmp.runtime.reduction import _FusedReducer as _FusedReducer  # where test
 from tfsmp.runtime.report import RankReport, StateWatch, StepReport, loss_records
 from tfsmp.runtime.stage import StageProgram
 from tfsmp.runtime.ties import TiedCopies
+from tfsmp.runtime.updates import Updates
 from tfsmp.runtime.view import RankView
 from tfsmp.schedule.lowering import Lowered
 from tfsmp.schedule.placement import Placement
@@ -111,7 +111,9 @@ class Engine:
         # updated once, from its first stage's accumulator, which holds the summed gradient
         self.ties = TiedCopies.of(traced, plan, self.programs, comm.pipeline, self.placement,
                                   tag_ub=comm.tag_ub, watch=_watched)
-        self._unique = self.ties.unique()
+        self.updates = Updates(self.programs, self.ties, self.run, pipe_rank=comm.pipeline.rank,
+                               group=comm.pipeline, xla=bool(config.xla), rank_tag=rank_tag,
+                               counted=self._counted_here)
         self.batching = Batching(traced, data_rank=comm.data.rank, data_size=comm.data.size,
                                  microbatches=config.microbatches, rank_tag=rank_tag)
         self.reduction = Reduction(comm.data, horovod=horovod, watch=_watched)
@@ -120,9 +122,6 @@ class Engine:
                                    shapes=shapes)
         self._tracer = tracer
         self._one_call: OneCallStep | bool | None = None  # False: not applicable
-        self.optimizer: Any = None
-        self._bridge: OptimizerBridge | None = None
-        self._direct = False  # stages update inside their backward ([Note: direct update])
         self._shape = StepShape(0, (0,), 0, 0, 0, 0)  # the last training step's
         self.steps = 0
         self.skipped_steps = 0
@@ -157,7 +156,15 @@ class Engine:
     @property
     def variables(self) -> list[Any]:
         """This rank's trainable variables, each once (what the optimizer updates)."""
-        return [v for v, _, _ in self._unique]
+        return self.updates.variables
+
+    @property
+    def optimizer(self) -> Any:
+        return self.updates.optimizer
+
+    @property
+    def _bridge(self) -> OptimizerBridge | None:  # tests/mpi/scripts/soak_cases.py reads it
+        return self.updates.bridge
 
     @property
     def is_last_rank(self) -> bool:
@@ -195,7 +202,7 @@ class Engine:
         shape = self.batching.step_shape(mbatch.batch_size_of(x))
         if self.objective is not None and not self.objective.prepared:
             self._prepare(x, y, sample_weight)
-        scale = self._bridge.loss_scale() if self._bridge is not None else 1.0
+        scale = self.updates.bridge.loss_scale() if self.updates.bridge is not None else 1.0
         self.steps += 1
         self._shape = shape
         one_call = self._one_call_step()
@@ -333,32 +340,18 @@ class Engine:
         if not report.finite:
             self._nonfinite(report)
             return
-        if self._direct:
+        if self.updates.direct:
             return  # each variable was updated in its stage's backward ([Note: direct update])
         grads = {s: r.grads for s, r in result.stages.items()}
         self.ties.reduce(grads)  # sum tied copies' gradients over their stages, before the step
-        if not self._unique and self.optimizer is not None:
-            # a rank with nothing to train counts the step too: callbacks there read the
-            # optimizer's iterations (and learning-rate schedules) as on every other rank
-            self.optimizer.iterations.assign_add(1)
-            return
-        if self._bridge is None:
-            return
-        sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
-        for j, (_, s, i) in enumerate(self._unique):
-            found = grads[s].sparse.get(i)
-            if found is not None:
-                sparse[str(j)] = found
-        self._bridge.apply([grads[s].accumulators[i] for _, s, i in self._unique], sparse,
-                           factor)
+        self.updates.apply(grads, factor)
 
     def _nonfinite(self, report: StepReport) -> None:
         """[Note: consistent skips] Skips the update on every rank, or raises on every rank."""
         self.skipped_steps += 1  # the next step starts from fresh accumulators
-        if (self._bridge is not None and self._bridge.on_nonfinite()) or \
-                self.nonfinite == "skip":
+        if self.updates.skipped() or self.nonfinite == "skip":
             return
-        raise StepError(report.nonfinite_message(self.rank_tag, self.steps, self._direct))
+        raise StepError(report.nonfinite_message(self.rank_tag, self.steps, self.updates.direct))
 
     # -- before the first step -----------------------------------------------------------------
 
@@ -376,7 +369,7 @@ class Engine:
         self._objective().prepare(head[1], head[2], self.batching.like_outputs(head[0]),
                                   parts=self.config.microbatches * self.comm.data.size,
                                   has_layer_losses=self._layer_losses,
-                                  scaled=self._bridge is not None and self._bridge.scaled,
+                                  scaled=self.updates.bridge is not None and self.updates.bridge.scaled,
                                   rank_tag=self.rank_tag)
 
     def _objective(self) -> Objective:
@@ -405,13 +398,13 @@ class Engine:
             fits = (self.config.partitions == 1 and self.plan.num_stages == 1
                     and self.config.microbatches == 1 and self.comm.data.size == 1
                     and not self.ties.count and not self.config.xla
-                    and self.optimizer is not None and self._bridge is not None
-                    and self._bridge.plain and not self._layer_losses
+                    and self.optimizer is not None and self.updates.bridge is not None
+                    and self.updates.bridge.plain and not self._layer_losses
                     and self.objective is not None and self.objective.prepared)
             self._one_call = False
             if fits and prog is not None and not prog.split:
                 self._one_call = OneCallStep(
-                    prog, self.variables, [i for _, _, i in self._unique], self.optimizer,
+                    prog, self.variables, [i for _, _, i in self.updates.unique], self.optimizer,
                     self.objective, rank_tag=self.rank_tag,
                     relax_shapes=_dynamic_inputs(self.traced, self.executors.shapes))
         return self._one_call if isinstance(self._one_call, OneCallStep) else None
@@ -432,41 +425,20 @@ class Engine:
 
     def set_optimizer(self, optimizer: Any) -> None:
         """Steps with ``optimizer`` from now on (a model compiled again after partitioning)."""
-        self.optimizer = optimizer
         self._one_call = None
-        self._bridge = None
-        if optimizer is None:
-            self._set_updates(False)
-            return
-        if not optimizer.built:
-            optimizer.build(self.variables)
-        self._bridge = OptimizerBridge(optimizer, self.variables, self._counted_here(),
-                                       self.comm.pipeline, xla=bool(self.config.xla),
-                                       rank_tag=self.rank_tag)
-        # [Note: direct update]: an optimizer with nothing beyond Keras's own apply that
-        # updates variable by variable; otherwise the stages accumulate
-        self._set_updates(self.run.updates_directly(
-            self.comm.pipeline.rank, self._bridge.plain and DirectUpdate.possible(optimizer)))
+        self.updates.set(optimizer)
 
-    def _set_updates(self, direct: bool) -> None:
-        """Stages update inside their backward, or accumulate ([Note: direct update])."""
-        if self.run.direct_possible(self.comm.pipeline.rank):
-            for prog in self.programs.values():
-                prog.set_update(DirectUpdate(self.optimizer) if direct else None)
-        self._direct = direct
-
-    def _counted_here(self) -> list[bool]:
+    def _counted_here(self, variables: list[Any] | None = None) -> list[bool]:
         """Per variable of this rank: whether its pipeline rank is the one that counts it once
         in sums over the pipeline (a tied variable is held by several ranks)."""
         view = self.view
         return [view.placement.rank(view.key_stage[view.keys[id(v)]]) == self.comm.pipeline.rank
-                for v in self.variables]
+                for v in (self.variables if variables is None else variables)]
 
     def finalize(self) -> None:
         """What Keras does at the end of ``fit``: the optimizer's final variable values (its
         exponential moving averages, with ``use_ema``) on every rank's own variables."""
-        if self.optimizer is not None and self.variables:
-            self.optimizer.finalize_variable_values(self.variables)
+        self.updates.finalize()
 
 
 def _dynamic_inputs(traced: TracedModel, shapes: BoundaryShapes | None) -> bool:
