@@ -1,11 +1,12 @@
 """``zb-v``: ZB-V, zero bubble with 2 model chunks per rank in a V ([Note: placement])."""
 
+from tfsmp.schedule.actions import Schedule
 from tfsmp.schedule.placement import Placement
 from tfsmp.schedule.registry import Pipeline, register
 from tfsmp.schedule.zero_bubble import zero_bubble
 
 
-def _generate(p: int, m: int, v: int, cap: int):  # type: ignore[no-untyped-def]
+def _generate(p: int, m: int, v: int, cap: int) -> Schedule:
     """ZB-V holds at most ``2p`` half-size chunks on every rank until their W (1F1B's rank-0
     bytes)."""
     return zero_bubble(Placement(p, 2 * p, "v"), m, [2 * p] * p,
