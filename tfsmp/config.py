@@ -104,8 +104,9 @@ class Config:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per pipeline rank: `virtual_stages`, and always 2 for ``zb-v``."""
-        return 2 if self.pipeline == "zb-v" else self.virtual_stages
+        """Model chunks per pipeline rank: `virtual_stages`, or the count the pipeline needs
+        (2 for ``zb-v``; [Note: pipeline registry] in tfsmp/schedule/registry.py)."""
+        return int(_pipeline(self.pipeline).chunks_for(self.virtual_stages))
 
     @property
     def num_stages(self) -> int:
@@ -237,6 +238,18 @@ def _path(key: str, value: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 # The table.
 
+def _registry() -> Any:
+    from tfsmp.schedule import registry
+
+    return registry
+
+
+def _pipeline(name: str) -> Any:
+    return _registry().get(name)
+
+
+# The schedules a config may name: tfsmp/schedule/registry.py ([Note: pipeline registry]).
+_PIPELINES = _registry().names()
 _MEMORY = ("memory: keep only boundary tensors and recompute, and plan the best compute balance "
            "among the plans whose every rank fits its memory cap (tfsmp run --memory-per-rank)")
 _PARAMS: list[Param] = [
@@ -248,14 +261,14 @@ _PARAMS: list[Param] = [
         "Microbatches each batch is split into (1 = no pipelining). fit takes any batch size: "
         "microbatches may differ by a row, a batch smaller than this runs fewer (smp.step, as "
         "SMP, needs its batch divisible by it).")),
-    Param("pipeline", "str", "interleaved", "interleaved, simple, zb-h1, zb-v", sdk=True,
-          choices=("interleaved", "simple", "zb-h1", "zb-v"),
-          check=_choice("simple", "interleaved", "zb-h1", "zb-v"), help=(
+    Param("pipeline", "str", "interleaved", "a registered pipeline", sdk=True,
+          choices=_PIPELINES, check=_choice(*_PIPELINES), help=(
               "Schedule. interleaved: a backward pass runs as soon as it can (1F1B); simple: all "
               "forward passes, then all backward passes (GPipe); zb-h1: zero-bubble 1F1B, each "
               "backward split into input gradients (B) and weight gradients (W) that fill the "
               "bubbles, with 1F1B's peak memory; zb-v: zero-bubble with 2 model chunks per rank "
-              "in a V (the first and the last chunk on rank 0). Not in SMP.")),
+              "in a V (the first and the last chunk on rank 0); `tfsmp schedule --help` lists every "
+              "registered pipeline (docs/schedules.md). Not in SMP.")),
     Param("optimize", "str", "memory", "speed, memory", sdk=True, choices=("speed", "memory"),
           check=_choice("speed", "memory"), help=(
               "speed: balance compute across stages, keep activations between forward and backward; "
@@ -365,16 +378,21 @@ def _check_relations(cfg: Config) -> None:
             "default_partition must be less than the number of partitions! Received: "
             f"default_partition={cfg.default_partition}, partitions={cfg.partitions}. Partitions "
             f"are numbered 0..{cfg.partitions - 1}.")
-    if cfg.pipeline == "zb-v" and cfg.virtual_stages not in (1, 2):
+    record = _pipeline(cfg.pipeline)
+    need = record.chunks
+    if need is not None and need > 1 and cfg.virtual_stages not in (1, need):
         raise ConfigError(
-            "pipeline='zb-v' runs 2 model chunks per rank. Received: "
-            f"virtual_stages={cfg.virtual_stages}, pipeline='zb-v'. Leave virtual_stages unset "
-            "(or 2) with zb-v, or use pipeline='interleaved' for other chunk counts.")
-    if cfg.virtual_stages > 1 and cfg.pipeline not in ("interleaved", "zb-v"):
+            f"pipeline={cfg.pipeline!r} runs {need} model chunks per rank. Received: "
+            f"virtual_stages={cfg.virtual_stages}, pipeline={cfg.pipeline!r}. Leave "
+            f"virtual_stages unset (or {need}) with {cfg.pipeline}, or use "
+            f"pipeline='interleaved' for other chunk counts.")
+    if cfg.virtual_stages > 1 and (need == 1 or (need is None and not record.loops)):
+        looping = [p.name for p in _registry().pipelines() if p.loops]
         raise ConfigError(
             "virtual_stages > 1 needs pipeline='interleaved' (Megatron-style interleaving). "
             f"Received: virtual_stages={cfg.virtual_stages}, pipeline={cfg.pipeline!r}. Set "
-            "pipeline='interleaved', or virtual_stages=1.")
+            f"pipeline='interleaved', or virtual_stages=1. Pipelines with model chunks: "
+            f"{looping}.")
 
 
 def _pytorch_key(key: str) -> str | None:

@@ -4,7 +4,7 @@ Each launch runs many configurations (`tests/mpi/scripts/runtime_cases.py` re-in
 per case). Models: an MLP, a residual CNN whose skip crosses a stage cut, a multi-input /
 multi-output model, a model with a layer used twice, a small Transformer, and an embedding model
 whose sparse gradients go through Adam. Stages p ∈ {1, 2, 4}, microbatches m ∈ {1, 2, 4, 8},
-every pipeline (simple, interleaved, zb-h1, zb-v), both `optimize` modes, 1 or 2 virtual
+every pipeline (simple, interleaved, zb-h1, zb-v, looped-bfs), both `optimize` modes, 1 or 2 virtual
 stages per rank, data-parallel degree
 1, 2 and 4 (MPI and Horovod). Tolerance: rtol 1e-5, atol 1e-6 (float32).
 """
@@ -41,6 +41,8 @@ TWO_RANKS = with_full([
     "mlp:2:8:zb-h1:memory:adam", "transformer:2:4:zb-h1:speed",
     "embed:2:4:zb-h1:speed:adam", "bn:2:1:zb-h1:memory",
     "multiio:2:4:zb-v:speed", "rescnn:2:4:zb-v:memory",
+    # breadth-first looped (tfsmp/schedule/pipelines/looped_bfs.py): 2 chunks per rank
+    "mlp:2:4:looped-bfs:memory:v2", "rescnn:2:4:looped-bfs:speed:v2",
 ], [
     "rescnn:2:8:simple:memory", "multiio:2:2:simple:speed", "shared:2:1:simple:speed",
     "transformer:2:4:interleaved:speed:v2", "drop:2:1:simple:memory", "mlp:2:4:zb-h1:speed",

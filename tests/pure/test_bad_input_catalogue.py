@@ -27,6 +27,7 @@ from tfsmp.errors import CommError, ConfigError, ScheduleError
 from tfsmp.estimator import LOCAL_ROLE, TensorFlow
 from tfsmp.launch import sagemaker as sm
 from tfsmp.schedule import Action, Op, StageLinks, generate, lower, parse_schedule, simulate
+from tfsmp.schedule.registry import names
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class Bad:
     call: Callable[[Path], Any]
     error: type[BaseException]
     match: str  # a regex searched in the message
+
+
+# every registered pipeline, as a message lists them (tfsmp/schedule/registry.py)
+_PIPELINES = re.escape(str(list(names())))
 
 
 MP = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": {"partitions": 2}}},
@@ -170,7 +175,7 @@ CATALOGUE: dict[str, Bad] = {
         r"mpi\.processes_per_host\."),
     # -- schedules -----------------------------------------------------------------------------
     "schedule_unknown_pipeline": Bad(lambda tmp: generate("gpipe", 2, 4), ScheduleError,
-                                     r"^pipeline must be one of \['simple', 'interleaved', 'zb-h1', 'zb-v'\]\. "
+                                     rf"^pipeline must be one of {_PIPELINES}\. "
                                      r"Received: pipeline='gpipe'"),
     "schedule_zero_microbatches": Bad(lambda tmp: generate("interleaved", 2, 0), ScheduleError,
                                       r"^num_microbatches must be a positive integer\. Received: "

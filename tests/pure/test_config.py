@@ -29,6 +29,7 @@ from tfsmp.config import (
     validate,
 )
 from tfsmp.errors import ConfigError
+from tfsmp.schedule.registry import names
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,6 +58,7 @@ SMP_OPTIONS_PYTORCH: dict[str, Any] = {
 }
 
 # (parameters, literal text the message must contain; SDK sentences open the message)
+_PIPELINES = list(names())  # every registered pipeline (tfsmp/schedule/registry.py)
 BAD: list[tuple[Any, str]] = [
     ({"partitions": 0}, "The number of partitions must be a positive integer. Received: partitions=0."),
     ({"partitions": -1}, "The number of partitions must be a positive integer. Received: partitions=-1."),
@@ -68,9 +70,9 @@ BAD: list[tuple[Any, str]] = [
     ({"active_microbatches": 0}, "The number of active_microbatches must be a positive integer."),
     ({"virtual_stages": 0}, "The number of virtual_stages must be a positive integer."),
     ({"pipeline_parallel_degree": 0}, "The number of pipeline_parallel_degree must be a positive integer."),
-    ({"pipeline": "gpipe"}, "pipeline must be a value in: ['simple', 'interleaved', 'zb-h1', 'zb-v']. Received: pipeline='gpipe'. 'gpipe' is what tfsmp calls 'simple'"),
+    ({"pipeline": "gpipe"}, f"pipeline must be a value in: {_PIPELINES}. Received: pipeline='gpipe'. 'gpipe' is what tfsmp calls 'simple'"),
     ({"pipeline": "1F1B"}, "use pipeline='interleaved'"),
-    ({"pipeline": "interleave"}, "pipeline must be a value in: ['simple', 'interleaved', 'zb-h1', 'zb-v']. Received: pipeline='interleave'. Did you mean 'interleaved'?"),
+    ({"pipeline": "interleave"}, f"pipeline must be a value in: {_PIPELINES}. Received: pipeline='interleave'. Did you mean 'interleaved'?"),
     ({"pipeline": "_only_forward"}, "'_only_forward' is a hidden SageMaker SDK value"),
     ({"optimize": "fast"}, "optimize must be a value in: ['speed', 'memory']. Received: optimize='fast'."),
     ({"optimize": "Speed"}, "Did you mean 'speed'?"),
@@ -133,7 +135,7 @@ def test_bad_configuration_is_rejected_with_its_message(params: Any, message: st
 
 @pytest.mark.parametrize("sentence", [
     "The number of partitions must be a positive integer.",
-    "pipeline must be a value in: ['simple', 'interleaved', 'zb-h1', 'zb-v'].",
+    f"pipeline must be a value in: {_PIPELINES}.",
     "default_partition must be supplied if auto_partition is set to False!",
     "default_partition must be less than the number of partitions!",
     "memory_weight must be between 0.0 and 1.0!",

@@ -68,3 +68,32 @@ def test_the_program_scan_catches_a_flag() -> None:
                  "prog.sparse_parts = {}"):
         assert PROGRAM_FLAGS.search(line), line
     assert not PROGRAM_FLAGS.search("if prog.collect == x:")
+
+
+# [Note: results own their gradients] (tfsmp/runtime/gradients.py): a step's gradients belong to
+# its result. Outside the program's own module, no runtime or API code reads them from a program
+# (its current step's state or its accumulators), so a phase can never see another step's.
+PROGRAM_GRADIENTS = re.compile(
+    r"(\b(prog|program|p|stage_program)|programs\[[^\]]+\]|\._program)\.(grads|accumulators|_store)\b")
+
+
+def _sources_outside_stage() -> list[Path]:
+    paths = [*sorted((ROOT / "runtime").glob("*.py")), *sorted((ROOT / "keras").glob("*.py")),
+             *sorted((ROOT / "checkpoint").glob("*.py"))]
+    return [p for p in paths if p.name != "stage.py"]
+
+
+def test_no_code_outside_a_program_reads_its_gradients() -> None:
+    bad = [f"{path.relative_to(ROOT.parent)}:{n}: {line.strip()}"
+           for path in _sources_outside_stage()
+           for n, line in enumerate(path.read_text().splitlines(), 1)
+           if PROGRAM_GRADIENTS.search(line)]
+    assert not bad, "read gradients from the step's result (StageResult.grads):\n" + "\n".join(bad)
+
+
+def test_the_gradient_scan_catches_a_reach_in() -> None:
+    for line in ("grads = self.programs[s].grads", "prog.grads.sparse.get(i)",
+                 "accs = program.accumulators", "self._program.grads.collected[i] = g"):
+        assert PROGRAM_GRADIENTS.search(line), line
+    for line in ("grads = result.stages[s].grads", "r.grads.losses", "grads[s].accumulators"):
+        assert not PROGRAM_GRADIENTS.search(line), line

@@ -7,6 +7,8 @@ p <= 8, m <= 16, v <= 2 (512 schedules) in the default run.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.mpihelp import FULL
@@ -21,6 +23,10 @@ from tfsmp.schedule import (
     simulate,
     validate,
 )
+from tfsmp.schedule.registry import names
+
+# every registered pipeline, as a message lists them (tfsmp/schedule/registry.py)
+_PIPELINES = re.escape(str(list(names())))
 
 
 def test_simple_runs_every_forward_before_any_backward() -> None:
@@ -89,7 +95,7 @@ def test_m_not_a_multiple_of_p_with_virtual_stages_stays_valid() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"pipeline": "gpipe"}, r"pipeline must be one of \['simple', 'interleaved', 'zb-h1', 'zb-v'\]\. Received: pipeline='gpipe'"),
+    ({"pipeline": "gpipe"}, rf"pipeline must be one of {_PIPELINES}\. Received: pipeline='gpipe'"),
     ({"num_ranks": 0}, r"num_ranks must be a positive integer\. Received: num_ranks=0"),
     ({"num_microbatches": -1}, "num_microbatches must be a positive integer"),
     ({"virtual_stages": 0}, "virtual_stages must be a positive integer"),

@@ -10,6 +10,7 @@ measured-against-simulated comparison.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -35,8 +36,13 @@ from tfsmp.schedule import (
     validate,
 )
 from tfsmp.schedule.actions import COMPUTE_OPS
+from tfsmp.schedule.registry import names
 
 ZB = (("zb-h1", 1), ("zb-v", 2))
+
+
+# every registered pipeline, as a message lists them (tfsmp/schedule/registry.py)
+_PIPELINES = re.escape(str(list(names())))
 
 
 def _zb(pipeline: str, p: int, m: int, cap: int | None = None) -> tuple[Schedule, Placement]:
@@ -100,7 +106,7 @@ def test_v_placement_goes_down_the_ranks_and_back() -> None:
     (lambda: Placement(2, 4).stages(-1), r"A rank of this placement lies in \[0, 2\)\. Received: rank=-1"),
     (lambda: Placement.for_pipeline("zb-v", 4), r"pipeline='zb-v' needs virtual_stages=2 .*Received: virtual_stages=1\. Set virtual_stages=2"),
     (lambda: Placement.for_pipeline("zb-h1", 4, 2), r"pipeline='zb-h1' needs virtual_stages=1"),
-    (lambda: Placement.for_pipeline("1f1b", 4), r"pipeline must be one of \['simple', 'interleaved', 'zb-h1', 'zb-v'\]\. Received: pipeline='1f1b'"),
+    (lambda: Placement.for_pipeline("1f1b", 4), rf"pipeline must be one of {_PIPELINES}\. Received: pipeline='1f1b'"),
     (lambda: Placement.for_pipeline("zb-v", 0, 2), r"num_ranks must be a positive integer\. Received: num_ranks=0"),
 ])
 def test_bad_placements_are_schedule_errors(make: object, match: str) -> None:

@@ -55,7 +55,8 @@ from tfsmp.errors import StepError
 from tfsmp.keras import porting
 from tfsmp.keras.data import check_step_inputs
 from tfsmp.keras.step_metrics import MetricSync, code_names
-from tfsmp.runtime.hooks import LastStage
+from tfsmp.runtime.executor import StepResult
+from tfsmp.runtime.hooks import LastStage, StepRuntime
 
 __all__ = ["StepOutput", "active_context", "step", "step_gradients"]
 
@@ -344,7 +345,7 @@ class _Step:
         captured = [self._capture(a, k) for a, k in parts]
         model = captured[0][1]
         inputs = [c for c, _ in captured]
-        engine = model.engine_for(_model_input(*inputs[0]))
+        engine: StepRuntime = model.engine_for(_model_input(*inputs[0]))
         traced = engine.view.traced
         if self._trains is None:  # same data on every rank, so every rank decides alike
             self._trains = self._dry_run(parts[0][0], parts[0][1], model).trains
@@ -408,10 +409,11 @@ class _Step:
             f"A step must call the DistributedModel and return something that depends on its "
             f"output. Received: {self.fn.__name__} never called the model.")
 
-    def _assemble(self, engine: Any, step: Any, results: dict[int, tuple[Any, Any]], m: int,
-                  metrics: MetricSync) -> Any:
+    def _assemble(self, engine: StepRuntime, step: StepResult,
+                  results: dict[int, tuple[Any, Any]], m: int, metrics: MetricSync) -> Any:
         """Every rank: the last stage's returned structure and metric state, with this rank's
-        gradients (averaged over the data-parallel replicas unless Horovod does it)."""
+        gradients from the runtime (`StepRuntime.step_gradients`: already averaged over the
+        data-parallel replicas unless Horovod does it)."""
         view = engine.view
         template = None
         if view.is_last_rank:
@@ -424,9 +426,8 @@ class _Step:
             payload = None
         template, flats, state = view.groups.pipeline.bcast_obj(payload, root=view.last_rank)
         metrics.apply(state, view.is_last_rank)
-        own = _own_gradients(engine, step, results, m) if _has_grads(template) else [[]] * m
-        if _has_grads(template) and view.data_size > 1 and not view.horovod:
-            own = _replica_mean(engine, own)
+        own = engine.step_gradients(step, _body_gradients(results, m)) if _has_grads(
+            template) else [[]] * m
         per_mb = [_fill(template, [tf.convert_to_tensor(v) for v in flats[i]], own[i])
                   for i in range(m)]
         return _to_step_outputs(per_mb, m)
@@ -611,38 +612,22 @@ def _mb_shape(shape: Any, m: int) -> Any:
     return tf.TensorShape(dims)
 
 
-def _own_gradients(engine: Any, step: Any, results: dict[int, tuple[Any, Any]], m: int
-                   ) -> list[list[Any]]:
-    """This rank's weight gradients per microbatch, in `model.trainable_variables` order."""
-    out: list[list[Any]] = []
-    stages = engine.view.stages
-    collected = {stage.stage: engine.collected(step, stage.stage) for stage in stages}
+def _body_gradients(results: dict[int, tuple[Any, Any]], m: int) -> dict[int, list[Any]]:
+    """Per microbatch, the flat gradient list the body returned (on the last stage's rank;
+    empty elsewhere, where the runtime has them all).
+
+    Raises:
+        StepError: on the last stage's rank, when a training step returned no gradient list.
+    """
+    out: dict[int, list[Any]] = {}
     for i in range(m):
-        grads: list[Any] = []
-        for stage in stages:
-            trainable = list(stage.trainable.values())
-            if stage.is_last:
-                body_grads = results.get(i, (None, None))[1]
-                if body_grads is None:
-                    raise StepError(
-                        "A training step must return tape.gradient(loss, model.trainable_variables). "
-                        "Received: no gradient list in what the step returned.")
-                flat = tf.nest.flatten(body_grads)
-                mine = flat[len(grads):len(grads) + len(trainable)] if len(flat) >= len(
-                    grads) + len(trainable) else flat[-len(trainable):]
-                grads.extend(g if g is not None else tf.zeros_like(v.value)
-                             for g, v in zip(mine, trainable))
-            else:
-                grads.extend(collected[stage.stage].get(
-                    i, [tf.zeros_like(v.value) for v in trainable]))
-        out.append(grads)
+        if i not in results:
+            out[i] = []
+            continue
+        body_grads = results[i][1]
+        if body_grads is None:
+            raise StepError(
+                "A training step must return tape.gradient(loss, model.trainable_variables). "
+                "Received: no gradient list in what the step returned.")
+        out[i] = tf.nest.flatten(body_grads)
     return out
-
-
-def _replica_mean(engine: Any, grads: list[list[Any]]) -> list[list[Any]]:
-    """Each microbatch's weight gradients averaged over this pipeline rank's replicas, in
-    one fused allreduce (``horovod: False``: [Note: how a step runs])."""
-    flat = [tf.convert_to_tensor(g) for per_mb in grads for g in per_mb]
-    reduced = engine.data_mean(flat)
-    n = len(grads[0]) if grads else 0
-    return [reduced[i * n:(i + 1) * n] for i in range(len(grads))]

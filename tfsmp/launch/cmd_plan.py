@@ -162,9 +162,13 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
     costs.resolve_dims(traced, _input_shapes(args.input_shape))
     if not args.no_measure:
         costs.measure_activations(traced, costs.sample_batch(traced, rows=2))
+    from tfsmp.schedule.registry import get
+
+    pipeline = args.pipeline or "interleaved"
     settings = MemorySettings(
         partitions=args.partitions, microbatches=args.microbatches or 1,
-        pipeline=args.pipeline or "interleaved", batch_size=args.batch_size or 1,
+        pipeline=pipeline, virtual_stages=get(pipeline).chunks_for(1),
+        batch_size=args.batch_size or 1,
         optimize=args.optimize, optimizer=optimizer,
         baseline=parse_size(args.baseline) if args.baseline else BASELINE_BYTES)
     plan = plan_graph(traced.graph, args.partitions * settings.virtual_stages,
@@ -200,7 +204,9 @@ def register(subparsers: Any) -> None:
                         "what would (with --optimize memory, plan within it)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step, for the memory prediction (default 1)")
-    p.add_argument("--pipeline", choices=("interleaved", "simple", "zb-h1"), default=None,
+    from tfsmp.schedule.registry import names
+
+    p.add_argument("--pipeline", choices=names(), default=None,
                    help="schedule, for the memory prediction (default interleaved)")
     p.add_argument("--input-shape", action="append", metavar="NAME=D1xD2",
                    help="per-sample shape of an input with unknown dimensions, e.g. "

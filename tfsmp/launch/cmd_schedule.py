@@ -23,41 +23,29 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tfsmp.schedule.bubble import formula_bubble, formula_bubble_zb_h1
+
 __all__ = ["formula_bubble", "formula_bubble_zb_h1", "register", "run"]
 
 _PICTURE_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-def formula_bubble(num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """``(p-1)/(v·m + p-1)``: the idle share of the step for balanced stages, free messages and
-    ``m`` a multiple of ``p`` when ``v > 1`` (see docs/schedules.md)."""
-    p, m, v = num_ranks, num_microbatches, virtual_stages
-    return (p - 1) / (v * m + p - 1)
-
-
-def formula_bubble_zb_h1(num_ranks: int, num_microbatches: int, backward_ratio: float = 2.0,
-                         weight_ratio: float = 1.0) -> float:
-    """ZB-H1's idle share for m >= p (Qi et al. 2023): each rank idles ``(p-1)(F + B - W)``
-    beside ``m(F + B + W)`` of work, in forward units (B = backward_ratio - weight_ratio)."""
-    p, m = num_ranks, num_microbatches
-    idle = (p - 1) * max(0.0, 1.0 + backward_ratio - 2.0 * weight_ratio)
-    return idle / (m * (1.0 + backward_ratio) + idle)
-
-
 def register(subparsers: Any) -> None:
     """Adds the `schedule` sub-command."""
-    from tfsmp.schedule.placement import PIPELINES
+    from tfsmp.schedule.registry import pipelines
 
+    records = pipelines()
     p = subparsers.add_parser(
         "schedule", help="draw a pipeline schedule and predict its bubble and activation memory",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--partitions", "-p", type=int, required=True, help="pipeline ranks (stages)")
     p.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches per step")
-    p.add_argument("--pipeline", choices=PIPELINES, default="interleaved",
-                   help="simple = GPipe, interleaved = 1F1B (default), zb-h1 = zero bubble at "
-                        "1F1B's memory, zb-v = ZB-V (2 chunks per rank)")
+    p.add_argument("--pipeline", choices=[r.name for r in records], default="interleaved",
+                   help="; ".join(f"{r.name}: {r.summary}" for r in records)
+                   + " (default interleaved)")
     p.add_argument("--virtual-stages", "-v", type=int, default=None,
-                   help="model chunks per rank (Megatron interleaving; default 1, 2 for zb-v)")
+                   help="model chunks per rank (default 1, or the count the pipeline needs: "
+                        + ", ".join(f"{r.name} {r.chunks}" for r in records if r.chunks) + ")")
     p.add_argument("--active-microbatches", type=int, default=None,
                    help="cap on microbatches in flight per rank")
     p.add_argument("--backward-ratio", type=float, default=2.0,
@@ -105,21 +93,22 @@ def _build(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         render_timeline,
         simulate,
     )
+    from tfsmp.schedule.registry import get
 
+    record = get(args.pipeline)
     p, m = args.partitions, args.microbatches
-    v = args.virtual_stages if args.virtual_stages is not None else (
-        2 if args.pipeline == "zb-v" else 1)
+    v = args.virtual_stages if args.virtual_stages is not None else record.chunks_for(1)
     if args.out and Path(args.out).suffix.lower() not in _PICTURE_SUFFIXES:
         raise ScheduleError(
             f"--out must end in {', '.join(_PICTURE_SUFFIXES)}. Received: --out={args.out}")
-    zero_bubble = args.pipeline.startswith("zb-")
+    zero_bubble = record.splits_backward
     weight = args.weight_ratio if args.weight_ratio is not None else args.backward_ratio / 2
     compute = generate(args.pipeline, p, m, v, args.active_microbatches)
     placement = Placement.for_pipeline(args.pipeline, p, v)
     lowered = lower(compute, None, p, placement=placement)
     result = simulate(compute, forward_time=1.0 / v, backward_time=args.backward_ratio / v,
                       weight_time=weight / v, comm_time=args.comm_time, placement=placement)
-    formula, formula_text = _formula(args.pipeline, p, m, v, args.backward_ratio, weight)
+    formula, formula_text = record.bubble(p, m, v, args.backward_ratio, weight)
     out = None
     if args.out:
         title = (f"{args.pipeline}, p={p}, m={m}, v={v}: bubble {result.bubble_fraction:.3f}, "
@@ -152,17 +141,3 @@ def _build(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if out:
         lines.append(f"wrote {out}")
     return summary, "\n".join(lines)
-
-
-def _formula(pipeline: str, p: int, m: int, v: int, backward: float,
-             weight: float) -> tuple[float | None, str]:
-    """The closed-form bubble beside the simulated one, and how to print it."""
-    if pipeline == "zb-v":
-        return None, "no closed form; shrinks toward 0 as m grows"
-    if pipeline == "zb-h1":
-        value = formula_bubble_zb_h1(p, m, backward, weight)
-        return value, (f"formula (p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)) = {value:.4f}"
-                       f"{'' if m >= p else '; exact only when m >= p'}")
-    value = formula_bubble(p, m, v)
-    return value, (f"formula (p-1)/(v*m+p-1) = {value:.4f}"
-                   f"{'' if v == 1 or m % p == 0 else '; exact only when m % p == 0'}")

@@ -226,34 +226,39 @@ def predict_memory(plan: StagePlan, graph: LayerGraph, settings: MemorySettings
     Raises:
         ScheduleError: the settings name no valid schedule.
     """
-    from tfsmp.schedule.generators import fuse_last_stage, generate
-    from tfsmp.schedule.placement import Placement
-
     s = settings
-    compute = fuse_last_stage(generate(s.pipeline, s.partitions, s.microbatches,
-                                       virtual_stages=s.virtual_stages,
-                                       active_microbatches=s.active_microbatches))
-    placement = Placement.for_pipeline(s.pipeline, s.partitions, s.virtual_stages)
+    run = run_of(s)
+    compute = run.compute
     stages = {st: stage_memory(plan, graph, st, s.optimizer) for st in range(plan.num_stages)}
-    split = {a.stage for actions in compute.values() for a in actions if a.op.value == "W"}
+    split = set(run.split_stages)
     out = []
     for rank in range(s.partitions):
-        mine = [stages[st] for st in placement.stages(rank)]
-        out.append(_rank(rank, mine, compute.get(rank, []), split, plan.num_stages - 1, s))
+        mine = [stages[st] for st in run.stages(rank)]
+        direct = _direct(mine, run.direct_possible(rank), s)
+        out.append(_rank(rank, mine, compute.get(rank, []), split, plan.num_stages - 1, s,
+                         direct))
     return out
 
 
-def _direct(mine: Sequence[StageMemory], split: set[int], s: MemorySettings) -> bool:
+def run_of(settings: MemorySettings) -> Any:
+    """The `RunPlan` the runtime will execute for ``settings`` ([Note: one description of the
+    run] in tfsmp/schedule/run_plan.py): its schedule, split stages and direct updates."""
+    from tfsmp.schedule.run_plan import RunPlan
+
+    s = settings
+    return RunPlan.of(s.pipeline, s.partitions, s.microbatches, virtual_stages=s.virtual_stages,
+                      active_microbatches=s.active_microbatches, data_parallel=s.data_parallel,
+                      nonfinite=s.nonfinite)
+
+
+def _direct(mine: Sequence[StageMemory], possible: bool, s: MemorySettings) -> bool:
     if s.direct is not None:
         return s.direct
-    return (s.microbatches == 1 and s.data_parallel == 1 and len(mine) == 1
-            and not split.intersection(m.stage for m in mine)
-            and not any(m.copies for m in mine) and s.nonfinite == "raise")
+    return possible and not any(m.copies for m in mine)
 
 
 def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], split: set[int],
-          last: int, s: MemorySettings) -> RankMemory:
-    direct = _direct(mine, split, s)
+          last: int, s: MemorySettings, direct: bool) -> RankMemory:
     b = s.batch_size / s.microbatches  # samples per microbatch
     buffers = s.batch_size * sum(m.received_sample + m.sent_sample for m in mine)
     walk = _ActivationWalk({m.stage: m for m in mine}, split, last, b, s.optimize)
@@ -366,13 +371,8 @@ def fits(ranks: Sequence[RankMemory], cap: float) -> bool:
 def stage_counts(settings: MemorySettings, num_stages: int) -> list[int]:
     """Per stage, the most microbatches it holds at once under the schedule (F to B, or to W
     on a split stage); the fused last stage holds none."""
-    from tfsmp.schedule.generators import fuse_last_stage, generate
-
-    s = settings
-    compute = fuse_last_stage(generate(s.pipeline, s.partitions, s.microbatches,
-                                       virtual_stages=s.virtual_stages,
-                                       active_microbatches=s.active_microbatches))
-    split = {a.stage for actions in compute.values() for a in actions if a.op.value == "W"}
+    run = run_of(settings)
+    compute, split = run.compute, run.split_stages
     counts = [0] * num_stages
     for actions in compute.values():
         held: dict[int, set[int | None]] = {}
@@ -395,9 +395,7 @@ def group_bytes(graph: LayerGraph, groups: Sequence[Sequence[str]], settings: Me
     s = settings
     b = s.batch_size / s.microbatches
     slots = optimizer_slots(s.optimizer)
-    direct = s.direct if s.direct is not None else (
-        s.microbatches == 1 and s.data_parallel == 1 and s.virtual_stages == 1
-        and s.pipeline in ("interleaved", "simple") and s.nonfinite == "raise")
+    direct = s.direct if s.direct is not None else run_of(s).direct_possible(0)
     read: dict[str, set[str]] = {}
     for k in graph.inputs:
         for n in graph.consumers(k):

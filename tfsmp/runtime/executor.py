@@ -30,7 +30,6 @@ boundaries] in `dynamic_shapes.py`).
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from tfsmp.comm.base import Group, Request, testall
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime import watchdog as wd
+from tfsmp.runtime.buffers import ReceivePool, aligned_empty, as_tensor, held, host_view, wire
 from tfsmp.runtime.dynamic_shapes import BoundaryShapes, is_dynamic
 from tfsmp.runtime.hooks import Head, LastStage, StageResult, StepHooks, StepMode
 from tfsmp.runtime.stage import StageProgram, is_differentiable
@@ -52,7 +52,9 @@ from tfsmp.schedule.placement import Placement
 if TYPE_CHECKING:
     from tfsmp.timeline.events import Tracer
 
-__all__ = ["Executor", "MicroBatch", "StepResult"]
+# aligned_empty, as_tensor, held and host_view live in buffers.py; imported from here too
+__all__ = ["Executor", "MicroBatch", "StepResult", "aligned_empty", "as_tensor", "held",
+           "host_view"]
 
 
 @dataclass
@@ -78,84 +80,6 @@ class StepResult:
     max_held: int = 0  # peak microbatches whose activations a rank held
     # training steps: what each of this rank's stages produced ([Note: one driver] in hooks.py)
     stages: dict[int, StageResult] = field(default_factory=dict)
-
-
-def _wire(buf: np.ndarray) -> np.ndarray:
-    """A view MPI can move: ml_dtypes types (bfloat16) travel as unsigned ints of equal size."""
-    if buf.dtype.kind in "biufc":
-        return buf
-    return buf.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[buf.dtype.itemsize])
-
-
-def host_view(t: tf.Tensor, dtype: np.dtype[Any] | None = None) -> np.ndarray:
-    """The tensor's host memory as a read-only array, without a copy where TF allows it.
-
-    A memoryview of a CPU EagerTensor exports its buffer (and keeps the tensor alive while the
-    array lives, so the send may complete later); `.numpy()` would copy it. Types the buffer
-    protocol does not describe (bfloat16), and tensors on other devices, are copied. ``dtype``,
-    the numpy type the caller expects, saves looking up the tensor's (a few microseconds).
-    """
-    try:
-        arr = np.asarray(memoryview(t))
-    except (TypeError, ValueError, NotImplementedError):
-        return np.ascontiguousarray(t.numpy())
-    if arr.dtype != (t.dtype.as_numpy_dtype if dtype is None else dtype) or not arr.flags.c_contiguous:
-        return np.ascontiguousarray(t.numpy())
-    return arr
-
-
-_ALIGN = 64  # TensorFlow's CPU allocator alignment (EIGEN_MAX_ALIGN_BYTES)
-_DLPACK_KINDS = "biuf"  # numpy kinds DLPack carries (bool, ints, floats) -- not ml_dtypes
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data starts on a 64-byte boundary."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-    offset = -raw.ctypes.data % _ALIGN
-    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
-
-
-def as_tensor(buf: np.ndarray) -> tf.Tensor:
-    """A tensor of a received buffer: aliasing it through DLPack where the type allows
-    (see [Note: receive buffers]), else a copy."""
-    aligned = buf.__array_interface__["data"][0] % _ALIGN == 0
-    return _pool_tensor(buf, buf.dtype.kind in _DLPACK_KINDS and aligned)
-
-
-def _pool_tensor(buf: np.ndarray, dlpack: bool) -> tf.Tensor:
-    """`as_tensor` of a buffer known to be aligned (`aligned_empty`): ``dlpack`` is whether its
-    type can alias, decided once per boundary ([Note: message plan])."""
-    if dlpack:
-        return tf.experimental.dlpack.from_dlpack(buf.__dlpack__())
-    return tf.convert_to_tensor(buf)
-
-
-def _refcount(buf: np.ndarray) -> int:
-    return sys.getrefcount(buf)
-
-
-def _count_unheld() -> int:
-    """The count `held` sees for an array referenced only by its owner and a caller's name,
-    measured through the same calls (Python versions differ in which references they count)."""
-    owner = {0: np.empty(1, dtype=np.uint8)}
-    buf = owner[0]
-    return _count_through_held(buf)
-
-
-def _count_through_held(buf: np.ndarray) -> int:
-    return _refcount(buf)
-
-
-_UNHELD = _count_unheld()
-
-
-def held(buf: np.ndarray, extra: int = 0) -> bool:
-    """True while something besides its owner references ``buf`` (a DLPack tensor does).
-
-    Call it as ``held(name)`` where ``name`` is a local bound to the owner's array (a dict value
-    or an attribute); ``extra`` is for further references the caller knows of."""
-    return _refcount(buf) > _UNHELD + extra
 
 
 _Key = tuple[Op, int, int, int]  # a receive: (RECV_F or RECV_B, stage, peer, microbatch)
@@ -245,7 +169,6 @@ class Executor:
         self.tracer = tracer
         self.rank_tag = rank_tag
         self.current: Action | str | None = None  # what runs now (stall messages name it)
-        self._pool: dict[tuple[Any, ...], np.ndarray] = {}  # [Note: receive buffers]
         self.step_state: _Step | None = None  # the running or last step ([Note: plan and step])
         self.watchdog = wd.for_process()  # None outside a multi-rank MPI job
         self._pairs: dict[tuple[int, int], list[Boundary]] = {}
@@ -256,16 +179,13 @@ class Executor:
         self.shapes = shapes
         self._header_base = tag_upper_bound(
             max((b.index for b in plan.boundaries), default=-1) + 1, plan.num_stages, self.m)
-        self._pool_limit = _POOL_SHAPES * sum(
-            len(self._pair(*((a.stage, _peer(a)) if a.op is Op.RECV_B else (_peer(a), a.stage)),
-                           a.op is Op.RECV_B))
-            for a in actions if a.op in (Op.RECV_F, Op.RECV_B))
         # [Note: message plan] Everything about a message that does not change between steps
         # (its boundaries, tags, peer rank, pool keys, numpy type, whether DLPack can alias it)
         # is computed once per executor; a step only picks buffers, posts and completes requests.
-        self._np_dtype = {b.index: np.dtype(tf.as_dtype(b.dtype).as_numpy_dtype)
-                          for b in plan.boundaries}
-        self._dlpack = {i: d.kind in _DLPACK_KINDS for i, d in self._np_dtype.items()}
+        self.pool = ReceivePool(plan.boundaries, _POOL_SHAPES * sum(
+            len(self._pair(*((a.stage, _peer(a)) if a.op is Op.RECV_B else (_peer(a), a.stage)),
+                           a.op is Op.RECV_B))
+            for a in actions if a.op in (Op.RECV_F, Op.RECV_B)), dynamic=shapes is not None)
         self._receives: list[_Receive] | None = None  # on first use: subclasses may add actions
         self._send_tags: dict[_Key, tuple[int, list[int]]] = {}
         self._dispatch: dict[Op, Callable[[Action], None]] = {
@@ -301,34 +221,10 @@ class Executor:
             return (self._now.microbatches[mb].size, *b.shape)  # type: ignore[arg-type]
         return self._now.mb_shapes[mb][b.index]
 
-    def _buffer(self, key: tuple[Any, ...], b: Boundary, shape: tuple[int, ...]) -> np.ndarray:
-        """The receive buffer of one message: the one it had last step unless that is taken.
-
-        [Note: receive buffers] A received message becomes a tensor without a copy: the buffer
-        is 64-byte aligned and handed to TensorFlow through DLPack, so the tensor aliases it.
-        Fresh buffers every step would cost page faults (2-5x the transfer itself) and a copy
-        into a TF tensor costs as much again (`benchmarks/bench_p2p.py`), so each message of
-        the schedule keeps its buffer from step to step (the engine keeps one executor per
-        schedule, `Engine._executor_for`), reused only when no tensor holds it
-        any more: a tensor made through DLPack keeps a reference to its array until TensorFlow
-        frees the tensor, so the array's reference count says whether it is free. A buffer still
-        held (an output the user kept, say) is left to its tensor and the message gets a new
-        one. Types DLPack cannot carry (bfloat16) are copied into a tensor when received, so
-        their buffers are always free. A step that ended early (an exception) may leave
-        receives posted into its buffers, so the next step starts a new pool. With shapes known
-        only at run time ([Note: dynamic boundaries]) a message keeps one buffer per shape, so
-        batches alternating between a few lengths reuse theirs; past `_POOL_SHAPES` shapes per
-        message the pool starts afresh, which bounds its memory.
-        """
-        dtype = self._np_dtype[b.index]
-        if self.shapes is not None:
-            key = (*key, shape)
-            if key not in self._pool and len(self._pool) >= self._pool_limit:
-                self._pool = {}
-        buf = self._pool.get(key)
-        if buf is None or buf.shape != shape or buf.dtype != dtype or held(buf):
-            buf = self._pool[key] = aligned_empty(shape, dtype)
-        return buf
+    @property
+    def _pool(self) -> dict[tuple[Any, ...], np.ndarray]:
+        """The receive buffers by message ([Note: receive buffers] in buffers.py)."""
+        return self.pool.buffers
 
     def _wait(self, requests: list[Request], what: str) -> None:
         """Waits for requests, polling so that a stall is diagnosed instead of hanging.
@@ -372,7 +268,7 @@ class Executor:
         ``head``, if given, runs each microbatch's last stage in place of its fused loss
         ([Note: the head] in hooks.py); what it returns is kept in ``result.outputs[i]``."""
         if self.step_state is not None and self.step_state.posted:  # ended early: still posted
-            self._pool = {}
+            self.pool.reset()
         step = self.step_state = _Step(list(microbatches), mode, hooks, head,
                                  StepResult(microbatches=list(microbatches)))
         if mode.train:
@@ -414,9 +310,9 @@ class Executor:
             self._receives = self._plan_receives()
         irecv, dynamic = self.group.irecv, self.shapes is not None
         for r in self._receives:
-            buffers = [self._buffer(k, b, self._shape(b, r.microbatch))
+            buffers = [self.pool.buffer(k, b, self._shape(b, r.microbatch))
                        for k, b in zip(r.pool_keys, r.boundaries)]
-            reqs = [irecv(_wire(buf), r.src, tag) for buf, tag in zip(buffers, r.tags)]
+            reqs = [irecv(wire(buf), r.src, tag) for buf, tag in zip(buffers, r.tags)]
             pending = self._now.posted[r.key] = _Pending(r.boundaries, buffers, reqs)
             if dynamic and not r.backward:
                 self._post_headers(pending, r.src, r.consumer, r.microbatch)
@@ -475,11 +371,11 @@ class Executor:
                 self._tag(b, consumer, mb, backward) for b in bs])
         dest, tags = plan
         dynamic = self.shapes is not None and not backward
-        isend, sends, dtypes = self.group.isend, self._now.sends, self._np_dtype
+        isend, sends, dtypes = self.group.isend, self._now.sends, self.pool.dtypes
         for b, t, tag in zip(bs, tensors, tags):
             if dynamic and is_dynamic(b.shape):
                 self._send_header(b, t, peer, mb, consumer)
-            buf = _wire(host_view(t, dtypes[b.index]))
+            buf = wire(host_view(t, dtypes[b.index]))
             sends.append((isend(buf, dest, tag), buf))
 
     def _send_header(self, b: Boundary, t: tf.Tensor, peer: int, mb: int, consumer: int) -> None:
@@ -510,8 +406,8 @@ class Executor:
         if not testall(pending.requests):  # the message text only for a wait that waits
             self._wait(pending.requests, f"{'gradients' if backward else 'activations'} "
                        f"of microbatch {mb} from stage {peer}")
-        dlpack = self._dlpack  # pool buffers are aligned: `aligned_empty`
-        return pending.boundaries, [_pool_tensor(buf, dlpack[b.index])
+        tensor = self.pool.tensor  # pool buffers are aligned: `aligned_empty`
+        return pending.boundaries, [tensor(b, buf)
                                     for b, buf in zip(pending.boundaries, pending.buffers)]
 
     # -- handlers ------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Example::
 
-    grads = GradientState(stage=1, trainable=program.trainable)
-    grads.begin()                                  # a step starts: the next write assigns
+    store = GradientStore(stage=1, trainable=program.trainable)   # accumulators, sparse rules
+    grads = store.step()                           # a step starts: the next write assigns
     first = grads.take_fresh()                     # inside compiled code: acc = g, then acc += g
     grads.add_sparse(microbatch, {"3": (values, indices)})
     grads.combine_microbatches()                   # the batch's IndexedSlices per variable
@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from tfsmp.errors import StepError
 
-__all__ = ["GradientState", "SparsePart", "combine_parts"]
+__all__ = ["GradientState", "GradientStore", "SparsePart", "combine_parts"]
 
 SparsePart = tuple[Any, Any]  # (values, indices) of one tf.IndexedSlices gradient
 CONCAT, SUM = "concat", "sum"
@@ -71,8 +71,10 @@ def combine_parts(parts: list[SparsePart], rule: str, what: str = "") -> SparseP
     return total, tf.convert_to_tensor(parts[0][1])
 
 
-class GradientState:
-    """Everything one stage's programs produce as gradients in one step. See the module docstring."""
+class GradientStore:
+    """A stage's gradient storage that outlives steps: its accumulators (one variable per
+    trainable, reused by every step) and the sparse rules measured once ([Note: sparse
+    structure]). Each step's gradients are a new `GradientState` made by `step`."""
 
     def __init__(self, stage: int, trainable: list[Any], accumulate: bool = True) -> None:
         self.stage = stage
@@ -82,17 +84,7 @@ class GradientState:
         self.accumulators: list[tf.Variable] = []
         if accumulate:
             self.ensure_accumulators()
-        # [Note: fresh accumulators] The first microbatch of a step *assigns* its weight
-        # gradients and later ones add to them, so accumulators are never zeroed: 0 + g == g
-        # exactly, and this saves a read and a write of every gradient per step.
-        self.fresh = True
-        self.fresh_w = True  # the same for a split stage's deferred half ([Note: split stages])
         self.rules: dict[int, str] = {}  # sparse variable index -> CONCAT | SUM
-        self._parts: dict[int, dict[int, SparsePart]] = {}  # variable -> microbatch -> part
-        self.sparse: dict[int, SparsePart] = {}  # the step's combined sparse gradients
-        self._flags: list[tuple[int, tf.Tensor]] = []  # [Note: finite flags] in stage.py
-        self.collected: dict[int, list[Any]] = {}  # [Note: collect mode] in stage.py
-        self.losses: dict[int, tf.Tensor] = {}  # microbatch -> the stage's layer losses
 
     def ensure_accumulators(self) -> None:
         """Makes the accumulators, one per trainable variable, unless they exist."""
@@ -101,16 +93,49 @@ class GradientState:
                 tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False,
                             name=f"acc_{self.stage}_{i}") for i, v in enumerate(self.trainable)]
 
-    # -- a step --------------------------------------------------------------------------------
+    def step(self) -> GradientState:
+        """The gradients of a new step, owned by that step's result ([Note: gradient state])."""
+        return GradientState(self)
 
-    def begin(self) -> None:
-        """Starts a new step: the next microbatch overwrites the accumulators."""
-        self.fresh = self.fresh_w = True
-        self._parts.clear()
-        self.sparse.clear()
-        self._flags.clear()
-        self.collected.clear()
-        self.losses.clear()
+
+class GradientState:
+    """One stage's gradients in one step. See the module docstring.
+
+    [Note: results own their gradients] A step's `GradientState` is made when the step starts
+    (`GradientStore.step`) and handed to the step's `StageResult`; the next step gets a new one.
+    Its sparse parts, finite flags, collected per-microbatch gradients and layer losses are its
+    own, so a `StepResult` kept past later steps stays whole. The dense accumulators are
+    variables the store reuses from step to step (held by reference: a step's values last
+    until the next step of the stage writes them), since copying every gradient per step
+    would cost the memory and time they save.
+    """
+
+    def __init__(self, store: GradientStore) -> None:
+        self._store = store
+        self.stage = store.stage
+        self.trainable = store.trainable
+        # [Note: fresh accumulators] The first microbatch of a step *assigns* its weight
+        # gradients and later ones add to them, so accumulators are never zeroed: 0 + g == g
+        # exactly, and this saves a read and a write of every gradient per step.
+        self.fresh = True
+        self.fresh_w = True  # the same for a split stage's deferred half ([Note: split stages])
+        self._parts: dict[int, dict[int, SparsePart]] = {}  # variable -> microbatch -> part
+        self.sparse: dict[int, SparsePart] = {}  # the step's combined sparse gradients
+        self._flags: list[tuple[int, tf.Tensor]] = []  # [Note: finite flags] in stage.py
+        self.collected: dict[int, list[Any]] = {}  # [Note: collect mode] in stage.py
+        self.losses: dict[int, tf.Tensor] = {}  # microbatch -> the stage's layer losses
+
+    @property
+    def accumulators(self) -> list[tf.Variable]:
+        """The stage's accumulators (the store's variables, by reference)."""
+        return self._store.accumulators
+
+    @property
+    def rules(self) -> dict[int, str]:
+        """The stage's measured sparse rules ([Note: sparse structure])."""
+        return self._store.rules
+
+    # -- a step --------------------------------------------------------------------------------
 
     def take_fresh(self) -> bool:
         """Whether this write is the step's first to the accumulators (and from now on, not)."""

@@ -18,9 +18,10 @@ Example::
 [Note: one driver] Only the executor calls a `StageProgram` during a step: it starts the step on
 every program with the step's `StepMode` (whether `smp.step` collects per-microbatch gradients),
 runs the actions, and hands each stage's `StageResult` to ``hooks.reduce`` at the stage's REDUCE
-action and the whole `StepResult` to ``hooks.apply`` at STEP. The engine reads and replaces
-gradients only through the result's `GradientState` ([Note: gradient state] in gradients.py),
-never through the programs' attributes.
+action and the whole `StepResult` to ``hooks.apply`` at STEP. The engine, the reduction, the
+tied-copy sum and `smp.step` read and replace gradients only through the result's
+`GradientState` ([Note: results own their gradients] in gradients.py), never through a
+program's attributes.
 
 [Note: the head] `smp.step` runs the user's step body in place of the last stage's fused loss.
 It gets a `LastStage` for one microbatch: the stage's forward (differentiable under the body's
@@ -29,7 +30,7 @@ tape) and a place for the gradients of the received tensors, and nothing else of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,8 +40,9 @@ if TYPE_CHECKING:
     from tfsmp.runtime.executor import StepResult
     from tfsmp.runtime.gradients import GradientState
     from tfsmp.runtime.stage import EvalOutput, StageProgram
+    from tfsmp.runtime.view import RankView
 
-__all__ = ["Head", "LastStage", "StageResult", "StepHooks", "StepMode"]
+__all__ = ["Head", "LastStage", "StageResult", "StepHooks", "StepMode", "StepRuntime"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +103,22 @@ class Head(Protocol):
     outputs (`StepResult.outputs`)."""
 
     def __call__(self, last: LastStage) -> Any: ...
+
+
+class StepRuntime(Protocol):
+    """What `smp.step` (tfsmp/keras/step.py) asks of the runtime: run the microbatches with a
+    custom last stage, then hand back this rank's gradients per microbatch, already reduced.
+    The API layer keeps no runtime bookkeeping (stage offsets, replica means)."""
+
+    @property
+    def view(self) -> RankView: ...
+
+    def run_step(self, inputs: list[dict[str, Any]], head: Head, train: bool = True
+                 ) -> StepResult:
+        """Runs one step of ``inputs[i]`` (microbatch i's model inputs by tensor key)."""
+
+    def step_gradients(self, result: StepResult, body: Mapping[int, Sequence[Any]]
+                       ) -> list[list[tf.Tensor]]:
+        """Per microbatch, this rank's weight gradients in `model.trainable_variables` order
+        (``body[i]``: what microbatch i's step body returned as its gradient list on the last
+        stage's rank), averaged over the data-parallel replicas unless Horovod reduces them."""

@@ -10,6 +10,7 @@ from tfsmp.runtime.engine import Engine
 from tfsmp.runtime.objective import Objective
 from tfsmp.schedule.lowering import Lowered
 from tfsmp.schedule.placement import Placement
+from tfsmp.schedule.run_plan import RunPlan
 
 if TYPE_CHECKING:
     from tfsmp.config import Config
@@ -95,16 +96,15 @@ def _rows(sample_x: Any) -> int | None:
 def make_schedule(plan: StagePlan, config: Config, placement: Placement, data_parallel: bool,
                   microbatches: int | None = None) -> Lowered:
     """Every rank's lowered training actions for a step of ``microbatches`` (default: the
-    config's) microbatches, with the ``placement`` they were lowered for."""
-    from tfsmp.schedule.generators import fuse_last_stage, generate
-    from tfsmp.schedule.lowering import lower
-
-    m = microbatches or config.microbatches
-    compute = fuse_last_stage(generate(config.pipeline, config.partitions, m,
-                                       virtual_stages=config.chunks,
-                                       active_microbatches=config.active_microbatches))
-    return Lowered(lower(compute, plan, config.partitions, data_parallel=data_parallel,
-                         placement=placement), placement)
+    config's) microbatches, with the ``placement`` they were lowered for: the run described by
+    `RunPlan` ([Note: one description of the run] in tfsmp/schedule/run_plan.py)."""
+    run = RunPlan.for_config(config, microbatches=microbatches,
+                             data_parallel=2 if data_parallel else 1)
+    if run.placement != placement:
+        raise PartitionError(
+            f"The schedule must be lowered for the job's placement. Received: "
+            f"{run.placement.describe()} against {placement.describe()}.")
+    return run.lowered(plan, data_parallel)
 
 
 def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int]) -> None:
@@ -140,7 +140,7 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
                          data_parallel=state.comm.data.size).to_json()
     plan = StagePlan.from_json(world.bcast_obj(text, root=0))
     # the one placement of the job: stage -> pipeline rank (tfsmp/schedule/placement.py)
-    placement = Placement.for_pipeline(config.pipeline, config.partitions, config.chunks)
+    placement = RunPlan.for_config(config).placement
     stages = placement.stages(state.comm.pipeline.rank)
     _take_own_stage(traced, plan, stages)
     data_parallel = state.comm.data.size > 1

@@ -52,7 +52,7 @@ from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime import deferred
 from tfsmp.runtime import layer_losses as ll
-from tfsmp.runtime.gradients import CONCAT, SUM, GradientState
+from tfsmp.runtime.gradients import CONCAT, SUM, GradientStore
 from tfsmp.runtime.hooks import StageResult, StepMode
 from tfsmp.runtime.memory import DirectUpdate
 from tfsmp.runtime.objective import Consts, Objective
@@ -144,7 +144,10 @@ class StageProgram:
         self.output_keys = list(traced.output_keys) if self.is_last else []
         self.trainable = [v for v in traced.variables_of(names) if v.trainable]
         self.non_trainable = [v for v in traced.variables_of(names) if not v.trainable]
-        self.grads = GradientState(stage, self.trainable, accumulate)  # [Note: gradient state]
+        # [Note: results own their gradients] in gradients.py: the store outlives steps, each
+        # step writes a `GradientState` of its own, which its result keeps
+        self._store = GradientStore(stage, self.trainable, accumulate)
+        self.grads = self._store.step()
         self.update: DirectUpdate | None = None  # [Note: direct update] in memory.py
         self._diff_recv = [i for i, b in enumerate(self.recv) if is_differentiable(b.dtype)]
         self._diff_send = [i for i, b in enumerate(self.send) if is_differentiable(b.dtype)]
@@ -184,14 +187,14 @@ class StageProgram:
 
     @property
     def accumulators(self) -> list[tf.Variable]:
-        return self.grads.accumulators
+        return self._store.accumulators
 
     def set_update(self, update: DirectUpdate | None) -> None:
         """Updates this stage's variables inside its backward with ``update``'s optimizer, or
         (None) accumulates their gradients for the engine's step; programs trace anew."""
         self.update = update
         if update is None:
-            self.grads.ensure_accumulators()
+            self._store.ensure_accumulators()
         self._bwd_recompute = self._compile_fn(self._backward_recompute_fn)
         self._fused = self._compile_fn(self._fused_fn)
         self._direct = tf.function(self._direct_fn)
@@ -637,13 +640,17 @@ class StageProgram:
     def begin_step(self, mode: StepMode) -> None:
         """Starts a step of kind ``mode`` ([Note: one driver] in hooks.py): the next microbatch
         overwrites the accumulators, and in collect mode weight gradients are kept per
-        microbatch."""
-        self.grads.begin()
+        microbatch; the step's gradients are a new object its result will own ([Note: results
+        own their gradients] in gradients.py)."""
+        self.grads = self._store.step()
         self._weight_work.clear()
         self.collect = mode.collect
 
     def result(self) -> StageResult:
-        """This step's gradients, combined over microbatches, and their finiteness."""
+        """This step's gradients, combined over microbatches, and their finiteness (a stage no
+        microbatch reached, on a replica without rows in the batch, reports zeros)."""
+        if not self.collect:
+            self.grads.zero_if_unwritten()
         self.grads.combine_microbatches()
         finite, first = self.grads.finite_status()
         return StageResult(self.stage, finite, first, self.grads)

@@ -4,7 +4,8 @@ Example::
 
     ties = TiedCopies.of(traced, plan, programs, comm.pipeline, placement, tag_ub=comm.tag_ub)
     ties.sync()          # once: every copy takes the lowest stage's values
-    ties.reduce()        # every step, after the data-parallel reduction: sum the copies' grads
+    ties.reduce(grads)   # every step, after the data-parallel reduction: sum the copies' grads
+                         # (grads: {stage: GradientState} of the step's result)
     ties.primary         # (stage, index) of the one accumulator the optimizer reads per variable
 
 [Note: tied reduction] A variable that layers on several stages read (a tied embedding, a layer
@@ -23,15 +24,18 @@ This runs after each stage's data-parallel reduction, so every replica computes 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.schedule.placement import Placement
+
+if TYPE_CHECKING:
+    from tfsmp.runtime.gradients import GradientState
 
 __all__ = ["TiedCopies", "tied_groups"]
 
@@ -148,33 +152,34 @@ class TiedCopies:
                 for v, value in zip(g.variables, got[root]):
                     v.assign(value)
 
-    def reduce(self) -> None:
+    def reduce(self, grads: Mapping[int, GradientState]) -> None:
         """Sums each tied variable's gradient over the stages holding it (see [Note: tied
-        reduction]) into its primary accumulator (dense) or sparse parts."""
+        reduction]) into its primary accumulator (dense) or sparse parts; ``grads`` are this
+        rank's stages' gradients of the step ([Note: results own their gradients] in
+        gradients.py)."""
         for k, g in self.groups:
             local = [s for s in g.stages if s in self.programs]
-            mine = {s: [self._grad(s, v) for v in g.variables] for s in local}
+            mine = {s: [self._grad(grads[s], v) for v in g.variables] for s in local}
             got = self._exchange(k, g, mine)
             per_stage: dict[int, list[Grad]] = {}
             for part in got.values():
                 per_stage.update(part)
             for j, v in enumerate(g.variables):
                 total = _combine([per_stage[s][j] for s in g.stages], tuple(v.shape))
-                self._store(v, total)
+                self._store(grads, v, total)
 
-    def _grad(self, stage: int, v: Any) -> Grad:
-        prog = self.programs[stage]
-        i = next(i for i, w in enumerate(prog.trainable) if w is v)
-        return prog.grads.gradient(i)  # type: ignore[no-any-return]
+    @staticmethod
+    def _grad(grads: GradientState, v: Any) -> Grad:
+        i = next(i for i, w in enumerate(grads.trainable) if w is v)
+        return grads.gradient(i)
 
-    def _store(self, v: Any, total: Grad) -> None:
+    def _store(self, grads: Mapping[int, GradientState], v: Any, total: Grad) -> None:
         """[Note: gradient state] in gradients.py: the primary copy's state takes the sum."""
         s, i = self.primary[id(v)]
-        grads = self.programs[s].grads
         if total[0] == "sparse":
-            grads.set_sparse(i, (total[1], total[2]))
+            grads[s].set_sparse(i, (total[1], total[2]))
         else:
-            grads.set_dense(i, total[1])
+            grads[s].set_dense(i, total[1])
 
 
 def _combine(parts: list[Grad], shape: tuple[int, ...]) -> Grad:

@@ -69,10 +69,11 @@ from collections.abc import Sequence
 
 from tfsmp.errors import ScheduleError
 from tfsmp.schedule.actions import Action, Op, Schedule
-from tfsmp.schedule.placement import PIPELINES, Placement, check_virtual_stages
-from tfsmp.schedule.zero_bubble import zero_bubble
+from tfsmp.schedule.placement import check_virtual_stages
+from tfsmp.schedule.registry import Pipeline, get, names
 
-__all__ = ["PIPELINES", "fuse_last_stage", "generate"]
+__all__ = ["fuse_last_stage", "generate", "interleaved_order", "simple_order",
+           "zb_h1_order"]
 
 
 def generate(pipeline: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1,
@@ -97,28 +98,16 @@ def generate(pipeline: str, num_ranks: int, num_microbatches: int, virtual_stage
     Raises:
         ScheduleError: an argument is out of range.
     """
-    _check_args(pipeline, num_ranks, num_microbatches, virtual_stages, active_microbatches)
-    p, m, v = num_ranks, num_microbatches, virtual_stages
-    cap = m if active_microbatches is None else min(active_microbatches, m)
-    if pipeline == "simple":
-        return {r: _simple(r, p, m, v, cap) for r in range(p)}
-    if pipeline == "interleaved":
-        return {r: _interleaved(r, p, m, v, cap) for r in range(p)}
-    return _zero_bubble(pipeline, p, m, v, cap)
+    record = _check_args(pipeline, num_ranks, num_microbatches, virtual_stages,
+                         active_microbatches)
+    cap = num_microbatches if active_microbatches is None else min(active_microbatches,
+                                                                    num_microbatches)
+    return record.generate(num_ranks, num_microbatches, virtual_stages, cap)
 
 
-def _zero_bubble(pipeline: str, p: int, m: int, v: int, cap: int) -> Schedule:
-    """[Note: ZB-H1]; ZB-V holds at most ``2p`` half-size chunks on every rank until their W
-    (1F1B's rank-0 bytes)."""
-    if pipeline == "zb-h1":
-        return {r: _zb_h1(r, p, m, cap) for r in range(p)}
-    placement = Placement.for_pipeline(pipeline, p, v)
-    return zero_bubble(placement, m, [2 * p] * p, microbatch_cap=cap if cap < m else None)
-
-
-def _zb_h1(rank: int, p: int, m: int, cap: int) -> list[Action]:
+def zb_h1_order(rank: int, p: int, m: int, cap: int) -> list[Action]:
     """1F1B's F/B order with each W delayed by ``d_r`` B's ([Note: ZB-H1])."""
-    order = _interleaved(rank, p, m, 1, cap)
+    order = interleaved_order(rank, p, m, 1, cap)
     delay = min(rank, cap - min(p - rank, cap))
     out: list[Action] = []
     pending: list[Action] = []
@@ -168,10 +157,8 @@ def fuse_last_stage(schedule: Schedule) -> Schedule:
     return out
 
 
-def _check_args(pipeline: str, p: int, m: int, v: int, a: int | None) -> None:
-    if pipeline not in PIPELINES:
-        raise ScheduleError(
-            f"pipeline must be one of {list(PIPELINES)}. Received: pipeline={pipeline!r}")
+def _check_args(pipeline: str, p: int, m: int, v: int, a: int | None) -> Pipeline:
+    record = get(pipeline)
     for name, value in (("num_ranks", p), ("num_microbatches", m), ("virtual_stages", v)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer. Received: {name}={value!r}")
@@ -180,6 +167,14 @@ def _check_args(pipeline: str, p: int, m: int, v: int, a: int | None) -> None:
         raise ScheduleError(
             f"active_microbatches must be a positive integer or None. "
             f"Received: active_microbatches={a!r}")
+    return record
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``PIPELINES``: the registered pipelines' names ([Note: pipeline registry])."""
+    if name == "PIPELINES":
+        return names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _forward_order(rank: int, p: int, v: int, mbs: Sequence[int], group: int) -> list[Action]:
@@ -198,7 +193,7 @@ def _backward_order(rank: int, p: int, v: int, mbs: Sequence[int], group: int) -
             for i in mbs[start:start + group]]
 
 
-def _simple(rank: int, p: int, m: int, v: int, cap: int) -> list[Action]:
+def simple_order(rank: int, p: int, m: int, v: int, cap: int) -> list[Action]:
     """GPipe fill-drain, in waves of ``cap`` microbatches."""
     out: list[Action] = []
     for start in range(0, m, cap):
@@ -209,7 +204,7 @@ def _simple(rank: int, p: int, m: int, v: int, cap: int) -> list[Action]:
     return out
 
 
-def _interleaved(rank: int, p: int, m: int, v: int, cap: int) -> list[Action]:
+def interleaved_order(rank: int, p: int, m: int, v: int, cap: int) -> list[Action]:
     """1F1B (v = 1) or Megatron's interleaved 1F1B (v > 1); see [Note: warm-up]."""
     if v == 1:
         forwards = [Action(rank, Op.FORWARD, i) for i in range(m)]

@@ -21,6 +21,7 @@ from tfsmp.schedule.generators import generate
 from tfsmp.schedule.links import StageLinks
 from tfsmp.schedule.lowering import forward_only, lower
 from tfsmp.schedule.placement import Placement
+from tfsmp.schedule.registry import pipelines
 
 __all__ = ["CASES", "REGENERATE", "GoldenCase", "golden_text", "main", "write_all"]
 
@@ -49,15 +50,11 @@ class GoldenCase:
 
 
 def _cases() -> list[GoldenCase]:
-    cases = [GoldenCase(pipe, p, m, 1)
-             for pipe in ("simple", "interleaved") for p in (1, 2, 4) for m in (1, 2, 4, 8)]
-    cases += [GoldenCase("interleaved", p, m, 2) for p in (2, 4) for m in (1, 2, 4, 8)]
-    cases += [GoldenCase("interleaved", 1, 4, 2), GoldenCase("interleaved", 4, 6, 2),
-              GoldenCase("simple", 4, 8, 2),
-              GoldenCase("interleaved", 4, 4, 1, "skip"), GoldenCase("simple", 4, 4, 1, "skip")]
-    cases += [GoldenCase(pipe, p, m, v) for pipe, v in (("zb-h1", 1), ("zb-v", 2))
-              for p in (1, 2, 4) for m in (1, 2, 4, 8)]
-    cases += [GoldenCase("zb-h1", 4, 4, 1, "skip")]
+    """Every registered pipeline's golden grid ([Note: pipeline registry] in registry.py)."""
+    cases = []
+    for record in pipelines():
+        cases += [GoldenCase(record.name, p, m, v) for p, m, v in record.golden]
+        cases += [GoldenCase(record.name, p, m, v, links) for p, m, v, links in record.golden_links]
     return cases
 
 

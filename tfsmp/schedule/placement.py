@@ -25,30 +25,35 @@ from dataclasses import dataclass
 
 from tfsmp.errors import ScheduleError
 
-__all__ = ["KINDS", "PIPELINES", "Placement", "check_virtual_stages"]
+__all__ = ["KINDS", "Placement", "check_virtual_stages"]
 
-# The pipelines `tfsmp.schedule.generate` knows (re-exported there as `PIPELINES`); kept here
-# because the pipeline decides the placement and, for the zero-bubble ones, the chunk count.
-PIPELINES = ("simple", "interleaved", "zb-h1", "zb-v")
 KINDS = ("interleaved", "v")
-_FIXED_CHUNKS = {"zb-h1": 1, "zb-v": 2}  # pipeline -> the virtual_stages it requires
 
 
 def check_virtual_stages(pipeline: str, virtual_stages: int) -> None:
-    """Raises unless ``pipeline`` is known and ``virtual_stages`` is one it can run.
+    """Raises unless ``pipeline`` is registered and ``virtual_stages`` is one it can run ([Note:
+    pipeline registry] in registry.py: a record's ``chunks``).
 
     Raises:
-        ScheduleError: an unknown pipeline, or zb-h1 without 1 / zb-v without 2 chunks per rank.
+        ScheduleError: an unknown pipeline, or a chunk count other than the one it needs.
     """
-    if pipeline not in PIPELINES:
-        raise ScheduleError(
-            f"pipeline must be one of {list(PIPELINES)}. Received: pipeline={pipeline!r}")
-    need = _FIXED_CHUNKS.get(pipeline)
+    from tfsmp.schedule.registry import get
+
+    need = get(pipeline).chunks
     if need is not None and virtual_stages != need:
         raise ScheduleError(
             f"pipeline={pipeline!r} needs virtual_stages={need} ("
             f"{'one stage' if need == 1 else f'{need} model chunks'} per rank). "
             f"Received: virtual_stages={virtual_stages!r}. Set virtual_stages={need}.")
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``PIPELINES``: the registered pipelines' names ([Note: pipeline registry])."""
+    if name == "PIPELINES":
+        from tfsmp.schedule.registry import names
+
+        return names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -95,8 +100,9 @@ class Placement:
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
             raise ScheduleError(
                 f"num_ranks must be a positive integer. Received: num_ranks={num_ranks!r}")
-        kind = "v" if pipeline == "zb-v" else "interleaved"
-        return cls(num_ranks, num_ranks * virtual_stages, kind)
+        from tfsmp.schedule.registry import get
+
+        return cls(num_ranks, num_ranks * virtual_stages, get(pipeline).placement)
 
     def rank(self, stage: int) -> int:
         """The pipeline rank that runs ``stage``.

@@ -325,8 +325,8 @@ def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
 
     Args:
         steps: training steps from `training_steps` (leave out warm-up steps).
-        pipeline: the schedule the run used (``"interleaved"``, ``"simple"``, ``"zb-h1"`` or
-            ``"zb-v"``; the last two simulated with their W time and placement).
+        pipeline: the schedule the run used, a registered pipeline (tfsmp/schedule/registry.py;
+            simulated with its W time and placement, as `RunPlan` describes the run).
         virtual_stages: model chunks per rank of the run.
         links: the run's `StagePlan` (or `StageLinks`); None means a chain of stages.
 
@@ -337,7 +337,8 @@ def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
     Raises:
         ValueError: ``steps`` is empty.
     """
-    from tfsmp.schedule import Placement, fuse_last_stage, generate, simulate
+    from tfsmp.schedule import simulate
+    from tfsmp.schedule.run_plan import RunPlan
 
     if not steps:
         raise ValueError("compare_with_simulator needs at least one training step. Received: none.")
@@ -346,10 +347,10 @@ def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
     weight = _weight_times(steps, len(forward))
     m = sum(1 for s in steps[0][ranks[0]] if s.kind == "F" and s.stage == ranks[0])
     # The simulator's backward_time is the whole backward: B and W where a stage has Ws.
-    sim = simulate(fuse_last_stage(generate(pipeline, len(ranks), m, virtual_stages)),
-                   forward_time=forward, backward_time=[b + w for b, w in zip(backward, weight)],
-                   weight_time=weight, links=links,
-                   placement=Placement.for_pipeline(pipeline, len(ranks), virtual_stages))
+    run = RunPlan.of(pipeline, len(ranks), m, virtual_stages=virtual_stages)
+    sim = simulate(run.compute, forward_time=forward,
+                   backward_time=[b + w for b, w in zip(backward, weight)],
+                   weight_time=weight, links=links, placement=run.placement)
     stats = [step_stats(step) for step in steps]
     return {
         "ranks": len(ranks), "microbatches": m, "pipeline": pipeline,

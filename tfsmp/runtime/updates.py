@@ -1,0 +1,103 @@
+"""The optimizer's side of a rank's step: which variables it updates, direct updates or accumulators, the apply.
+
+Example::
+
+    updates = Updates(programs, ties, run, pipe_rank=0, group=comm.pipeline, xla=False,
+                      rank_tag="[rank 0]", counted=lambda variables: [True] * len(variables))
+    updates.set(optimizer)                  # builds it, decides direct updates ([Note: direct update])
+    updates.apply(grads_by_stage, factor)   # optimizer.apply_gradients of the step's gradients
+    updates.finalize()                      # the end of fit (use_ema)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import tensorflow as tf
+
+from tfsmp.runtime.memory import DirectUpdate
+from tfsmp.runtime.optimizer_options import OptimizerBridge
+
+if TYPE_CHECKING:
+    from tfsmp.runtime.gradients import GradientState
+    from tfsmp.runtime.stage import StageProgram
+    from tfsmp.runtime.ties import TiedCopies
+    from tfsmp.schedule.run_plan import RunPlan
+
+__all__ = ["Updates"]
+
+
+class Updates:
+    """The optimizer of this rank's variables. See the module docstring."""
+
+    def __init__(self, programs: Mapping[int, StageProgram], ties: TiedCopies, run: RunPlan, *,
+                 pipe_rank: int, group: Any, xla: bool, rank_tag: str,
+                 counted: Callable[[list[Any]], list[bool]]) -> None:
+        self.programs = programs
+        # (variable, stage, index) of each trainable variable of this rank once ([Note: tied
+        # reduction] in ties.py: a variable on two local stages is updated from its first)
+        self.unique = ties.unique()
+        self.possible = run.direct_possible(pipe_rank)  # may stages update in their backward?
+        self.direct_allowed = run.updates_directly
+        self.pipe_rank = pipe_rank
+        self.group = group
+        self.xla = xla
+        self.rank_tag = rank_tag
+        self.counted = counted  # per variable: whether this rank counts it once in the job
+        self.optimizer: Any = None
+        self.bridge: OptimizerBridge | None = None
+        self.direct = False  # stages update inside their backward ([Note: direct update])
+
+    @property
+    def variables(self) -> list[Any]:
+        return [v for v, _, _ in self.unique]
+
+    def set(self, optimizer: Any) -> None:
+        """Steps with ``optimizer`` from now on (None: an SMP script applies its own)."""
+        self.optimizer = optimizer
+        self.bridge = None
+        if optimizer is None:
+            self._set_direct(False)
+            return
+        if not optimizer.built:
+            optimizer.build(self.variables)
+        self.bridge = OptimizerBridge(optimizer, self.variables, self.counted(self.variables),
+                                      self.group, xla=self.xla, rank_tag=self.rank_tag)
+        # [Note: direct update]: an optimizer with nothing beyond Keras's own apply that
+        # updates variable by variable; otherwise the stages accumulate
+        self._set_direct(self.direct_allowed(
+            self.pipe_rank, self.bridge.plain and DirectUpdate.possible(optimizer)))
+
+    def _set_direct(self, direct: bool) -> None:
+        if self.possible:
+            for prog in self.programs.values():
+                prog.set_update(DirectUpdate(self.optimizer) if direct else None)
+        self.direct = direct
+
+    def apply(self, grads: Mapping[int, GradientState], factor: float) -> None:
+        """optimizer.apply_gradients of this step's gradients (read from the step's result,
+        [Note: results own their gradients] in gradients.py), each times ``factor``."""
+        if not self.unique and self.optimizer is not None:
+            # a rank with nothing to train counts the step too: callbacks there read the
+            # optimizer's iterations (and learning-rate schedules) as on every other rank
+            self.optimizer.iterations.assign_add(1)
+            return
+        if self.bridge is None:
+            return
+        sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
+        for j, (_, s, i) in enumerate(self.unique):
+            found = grads[s].sparse.get(i)
+            if found is not None:
+                sparse[str(j)] = found
+        self.bridge.apply([grads[s].accumulators[i] for _, s, i in self.unique], sparse, factor)
+
+    def skipped(self) -> bool:
+        """A skipped step: the loss-scale optimizer lowers its scale (True), else nothing."""
+        return self.bridge is not None and self.bridge.on_nonfinite()
+
+    def finalize(self) -> None:
+        """What Keras does at the end of ``fit``: the optimizer's final variable values (its
+        exponential moving averages, with ``use_ema``) on every rank's own variables."""
+        if self.optimizer is not None and self.unique:
+            self.optimizer.finalize_variable_values(self.variables)
