@@ -462,6 +462,13 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             return "skip"
         return str(self.runtime_state().config.nonfinite)
 
+    def fit_position(self) -> dict[str, int] | None:
+        """Where the running ``fit`` is: ``{"epoch": e, "step": s}``, s batches of epoch e done
+        (None outside fit, or before its first step)."""
+        from tfsmp.checkpoint import fit_resume
+
+        return fit_resume.current_position(self)
+
     def take_resume_skip(self) -> int:
         """Batches of the current epoch that an interrupted run had trained on, once: the
         step functions pass over them ([Note: exact resume] in fit_resume)."""

@@ -109,9 +109,7 @@ def _where(model: DistributedModel, phase: str) -> str:
     """Where a step of ``phase`` is, for messages: fit's epoch and step, else the phase."""
     if phase != "fit":
         return f"in {phase}"
-    from tfsmp.checkpoint.fit_resume import current_position
-
-    position = current_position(model) or {"epoch": 0, "step": 0}
+    position = model.fit_position() or {"epoch": 0, "step": 0}
     return f"at step {position['step']} of epoch {position['epoch']}"
 
 

@@ -10,6 +10,7 @@ layers still training. ``m`` (microbatches) comes from the case's name suffix.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import warnings
@@ -433,10 +434,8 @@ def case_tfsmp_backup_positions_m2(ctx: Any) -> dict[str, Any]:
     first = _pipelined(_mlp, _m(ctx), x, ctx)
     first.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
     backup = BackupAndRestore(folder, save_freq=steps, delete_checkpoint=False)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         first.fit(x, y, epochs=2, callbacks=[_StopAtEpochEnd(), backup], **fit)
-    except KeyboardInterrupt:
-        pass
     second = _pipelined(_mlp, _m(ctx), x, ctx)
     second.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
     resumed = BackupAndRestore(folder, save_freq=steps, delete_checkpoint=False)
