@@ -32,8 +32,20 @@ without a shared directory are listed as "no status".
 [Note: why abort, not raise] A stall leaves receives posted and peers blocked; no caller can
 recover the step, and a script that catches the error (a test runner, a retry loop) would go on
 to mismatch its next collectives and hang for good. `expire` therefore prints the tagged message
-and table and aborts the whole job, as `tfsmp.failure` does for an uncaught exception. In a
+and table and ends the whole job, as `tfsmp.failure` does for an uncaught exception: once per
+job, from the first rank that reports ([Note: one message per job] in tfsmp/failure.py), with
+the stack only under ``TFSMP_DEBUG=1``. In a
 single process (no MPI world to abort) it raises `StepError` instead.
+
+[Note: watched collectives] Every blocking call of the comm seam (`MpiGroup`'s collectives and
+object receives, Horovod's reductions) runs inside `watched(group, op)`: the group's call count
+goes up on every rank alike, and while this rank waits its record names the call (group, count,
+operation, labels: [Note: collective labels] in tfsmp/comm/calls.py), so a wait outside a step
+(fit's per-step agreement, the preemption check, a save's gathers, an epoch-end barrier) is
+timed like one inside it. When the monitor expires such a wait, the message says which call,
+which ranks arrived and why the others did not ([Note: who arrived]); the table says when a rank's
+process is stopped (state ``T`` in ``/proc/<pid>/stat``) rather than computing. A rank whose
+script ended keeps its record, marked ``exited``, where Open MPI deletes the directory for us.
 
 [Note: blocking calls] The executor polls its receives and notices a stall itself. A blocking
 collective (the data-parallel allreduce, a broadcast) cannot poll, so `blocking(what)` marks the
@@ -49,11 +61,9 @@ import atexit
 import contextlib
 import mmap
 import os
-import re
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -63,28 +73,32 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, NoReturn
 
-from tfsmp import failure
+from tfsmp import failure, relaunch
+from tfsmp.comm.calls import GROUP_NAMES, Call, collective_label, describe, explain
 from tfsmp.errors import StepError
+from tfsmp.failure import DIR_ENV, default_directory
 
-__all__ = ["Status", "Watchdog", "default_directory", "for_process"]
+__all__ = ["DIR_ENV", "Status", "Watchdog", "collective_label", "default_directory",
+           "for_process", "watched"]
 
-DIR_ENV = "TFSMP_WATCHDOG_DIR"
-# Environment variables that name the running job, launcher by launcher.
-_JOB_KEYS = ("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid", "SLURM_JOB_ID", "PBS_JOBID")
 _MAGIC = b"TFWD"
-# magic, seq, pid, rank, pipeline rank, state, step, since, action, detail, host
-_RECORD = struct.Struct("<4sIiiiB3xQd48s160s64s")
+_GROUPS = len(GROUP_NAMES)
+# magic, seq, pid, rank, pipeline rank, host; then the body
+_HEAD = "<4sIiii64s"
+# state, step, since, action, detail; the collective call (group or -1, its count, operation,
+# outer and inner label); the call count of every group: what a transition rewrites
+_BODY = struct.Struct(f"<B3xQd48s160sb3xI16s64s64s{_GROUPS}I")
+_BODY_AT = struct.calcsize(_HEAD)
+_RECORD = struct.Struct(_HEAD + _BODY.format[1:])
 _SEQ = struct.Struct("<I")
 _SEQ_AT = 4
-# state, step, since, action, detail: what a transition rewrites
-_BODY = struct.Struct("<B3xQd48s160s")
-_BODY_AT = 20
 _CRC = struct.Struct("<I")  # CRC-32 of the body, after the record
 _CRC_AT = _RECORD.size
 _SIZE = 512
 
-NONE, RUNNING, WAITING, IDLE = 0, 1, 2, 3
-_STATE_NAMES = {NONE: "started", RUNNING: "running", WAITING: "waiting", IDLE: "idle"}
+NONE, RUNNING, WAITING, IDLE, EXITED = 0, 1, 2, 3, 4
+_STATE_NAMES = {NONE: "started", RUNNING: "running", WAITING: "waiting", IDLE: "idle",
+                EXITED: "exited"}
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,13 @@ class Status:
     action: str
     detail: str
     since: float
+    group: int = -1          # the collective call it is in: group index, or -1
+    call_seq: int = 0
+    op: str = ""
+    api: str = ""
+    what: str = ""
+    seqs: tuple[int, ...] = (0,) * _GROUPS   # its call count per group
+    process: str = ""        # "running", "stopped", "gone"; "" on another host
 
 
 def _text(raw: bytes) -> str:
@@ -109,30 +130,6 @@ def _text(raw: bytes) -> str:
 def _encode(text: str, size: int) -> bytes:
     data = text.encode("utf-8", "replace")
     return data if len(data) <= size else data[:size - 3] + b"..."
-
-
-def _safe_key(key: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:80]
-
-
-def default_directory(environ: Mapping[str, str] | None = None) -> str | None:
-    """Where the ranks of this job keep their status files; see [Note: status files].
-
-    Returns:
-        A directory path, or None when no job id can be found (then only this rank is shown).
-    """
-    env = os.environ if environ is None else environ
-    job = next((_safe_key(env[k]) for k in _JOB_KEYS if env.get(k)), None)
-    if env.get(DIR_ENV):  # shared by jobs, perhaps: one subdirectory per job
-        return os.path.join(env[DIR_ENV], f"job-{job}") if job else env[DIR_ENV]
-    location = env.get("OMPI_FILE_LOCATION")
-    if location:  # Open MPI: <session>/<job>/<rank>; mpirun removes <session> at job end
-        return os.path.join(os.path.dirname(location.rstrip(os.sep)), "tfsmp-watchdog")
-    if job:
-        return os.path.join(tempfile.gettempdir(), f"tfsmp-watchdog-{job}")
-    if env.get("PMI_RANK") is not None:  # MPICH's hydra: the ranks of a host share a proxy
-        return os.path.join(tempfile.gettempdir(), f"tfsmp-watchdog-ppid{os.getppid()}")
-    return None
 
 
 class Watchdog:
@@ -168,6 +165,9 @@ class Watchdog:
         self._map: mmap.mmap | bytearray = bytearray(_SIZE)
         self._monitor: threading.Thread | None = None
         self._blocked: str | None = None
+        self._call: Call | None = None
+        self._seqs = [0] * _GROUPS
+        self._state, self._detail = NONE, b""
         self._lock = threading.Lock()
         self._closed = False
         self._open()
@@ -197,18 +197,25 @@ class Watchdog:
                 break
 
     def _write_header(self) -> None:
-        _RECORD.pack_into(self._map, 0, _MAGIC, 0, os.getpid(), self.rank, self.pipeline_rank, NONE, 0,
-                          time.time(), b"", b"", _encode(self.host, 64))
-        _CRC.pack_into(self._map, _CRC_AT, _body_crc(bytes(self._map[:_CRC_AT + _CRC.size])))
+        _SEQ.pack_into(self._map, _SEQ_AT, 1)
+        struct.pack_into(_HEAD, self._map, 0, _MAGIC, 1, os.getpid(), self.rank,
+                         self.pipeline_rank, _encode(self.host, 64))
+        self._seq = 0
+        self._set(NONE, b"", b"")
 
     def _set(self, state: int, action: bytes, detail: bytes) -> None:
         # [Note: status files] sequence lock: odd while the body is being rewritten
-        seq = self._seq = self._seq + 1
-        body = _BODY.pack(state, self._step, time.time(), action, detail)
-        _SEQ.pack_into(self._map, _SEQ_AT, 2 * seq - 1)
+        self._state, self._detail = state, detail
+        call = self._call
+        group, seq, op, api, what = ((call.group, call.seq, call.op, call.api, call.what)
+                                     if call is not None else (-1, 0, "", "", ""))
+        seq_lock = self._seq = self._seq + 1
+        body = _BODY.pack(state, self._step, time.time(), action, detail, group, seq,
+                          _encode(op, 16), _encode(api, 64), _encode(what, 64), *self._seqs)
+        _SEQ.pack_into(self._map, _SEQ_AT, 2 * seq_lock - 1)
         self._map[_BODY_AT:_BODY_AT + _BODY.size] = body
         _CRC.pack_into(self._map, _CRC_AT, zlib.crc32(body))
-        _SEQ.pack_into(self._map, _SEQ_AT, 2 * seq)
+        _SEQ.pack_into(self._map, _SEQ_AT, 2 * seq_lock)
 
     # -- what the executor calls ---------------------------------------------------------------
 
@@ -249,20 +256,54 @@ class Watchdog:
             yield
             return
         self._blocked = what
+        state, detail = self._state, self._detail
         self.waiting(what)
         self._ensure_monitor()
         try:
             yield
         finally:
             self._blocked = None
-            self._set(RUNNING, self._action, b"")
+            self._set(RUNNING if state in (WAITING, NONE) else state, self._action,
+                      b"" if state in (WAITING, NONE) else detail)
+
+    @contextlib.contextmanager
+    def collective(self, call: Call) -> Iterator[None]:
+        """Marks ``call`` (a collective or an object receive) as this rank's wait.
+
+        See [Note: watched collectives]. Inside another watched call (not expected: one thread
+        makes one call at a time) only the outer one is recorded.
+        """
+        if self._call is not None:
+            yield
+            return
+        if call.seq and 0 <= call.group < _GROUPS:
+            self._seqs[call.group] = call.seq
+        outer = self._blocked
+        state, detail = self._state, self._detail
+        self._call = call
+        if outer is None:
+            self._blocked = describe(call.group, call.op, call.seq, call.api, call.what)
+        self._set(WAITING, self._action, _encode(outer or self._blocked or "", 160))
+        self._ensure_monitor()
+        try:
+            yield
+        finally:
+            self._call = None
+            if outer is None:
+                self._blocked = None
+            self._set(state, self._action, detail)
+
+    def exited(self) -> None:
+        """The script ended (at exit, before MPI_Finalize): see [Note: watched collectives]."""
+        self._action = b""
+        self._set(EXITED, b"", b"")
 
     # -- reading -------------------------------------------------------------------------------
 
     def read(self, rank: int) -> Status | None:
         """Rank ``rank``'s record, or None if it has none (not started, or another host)."""
         if rank == self.rank:
-            return _parse(bytes(self._map[:_RECORD.size]))
+            return _parse(bytes(self._map[:_RECORD.size]), self.host)
         if self.directory is None:
             return None
         try:
@@ -277,14 +318,14 @@ class Watchdog:
                 raw = bytes(mapped[:_CRC_AT + _CRC.size])
                 if (seq % 2 == 0 and _SEQ.unpack_from(mapped, _SEQ_AT)[0] == seq
                         and _body_crc(raw) == _CRC.unpack_from(raw, _CRC_AT)[0]):
-                    return _parse(raw[:_RECORD.size])
+                    return _parse(raw[:_RECORD.size], self.host)
                 time.sleep(0)
         return None  # never a half-written record
 
     def report(self, now: float | None = None) -> str:
         """A table with one row per rank: what it runs or waits for, and for how long."""
         now = time.time() if now is None else now
-        rows = [_row(r, self.pipeline_rank_of(r), self.read(r), now, self.host)
+        rows = [_row(r, self.pipeline_rank_of(r), self.read(r), now)
                 for r in range(self.size)]
         head = ("rank", "pp_rank", "host", "pid", "step", "state", "action", "for", "detail")
         widths = [max(len(head[i]), *(len(row[i]) for row in rows)) for i in range(len(head) - 1)]
@@ -296,29 +337,38 @@ class Watchdog:
     # -- expiry --------------------------------------------------------------------------------
 
     def expire(self, message: str, frame: FrameType | None = None) -> NoReturn:
-        """Prints ``message``, the stack and the table of every rank, then aborts the job.
+        """Prints ``message`` and the table of every rank, then ends the job.
 
-        See [Note: why abort, not raise].
+        See [Note: why abort, not raise]. Once per job ([Note: one message per job] in
+        tfsmp/failure.py); the stack only with ``TFSMP_DEBUG=1``, else the script's line.
 
         Args:
             message: What stalled, e.g. the executor's "waited more than stall_timeout=...".
             frame: The stack to show (default: the caller's).
 
         Raises:
-            StepError: when there is no multi-rank MPI job to abort.
+            StepError: when there is no multi-rank MPI job to end.
         """
         text = (f"{message}\nWhat every rank was doing (tfsmp watchdog; 'for' = time in that "
                 f"state):\n{self.report()}")
         with self._lock:
-            stack = traceback.format_list(traceback.extract_stack(frame or sys._getframe(1)))
-            lines = ["Traceback (most recent call last):", *"".join(stack).splitlines(),
-                     f"tfsmp.errors.StepError: {text}"]
-            with contextlib.suppress(Exception):
-                sys.stderr.write("".join(f"[{self.tag}] {line}\n"
-                                         for chunk in lines for line in chunk.splitlines()))
-                sys.stderr.flush()
-            sys.stdout.flush()
-            failure.abort_job(1)
+            if failure.claim_report():
+                shown = _strip_tag(text, self.tag)
+                stack = traceback.extract_stack(frame or sys._getframe(1))
+                if failure.debugging():
+                    lines = ["Traceback (most recent call last):",
+                             *"".join(traceback.format_list(stack)).splitlines(),
+                             f"tfsmp.errors.StepError: {shown}"]
+                else:
+                    lines = [f"StepError: {shown}", *_script_line(stack)]
+                with contextlib.suppress(Exception):
+                    sys.stderr.write("".join(f"[{self.tag}] {line}\n"
+                                             for chunk in lines for line in chunk.splitlines()))
+                    sys.stderr.flush()
+            else:  # another rank reports
+                time.sleep(failure.REPORT_GRACE)
+            relaunch.record_failure(self.tag, "StepError: " + message.splitlines()[0][:300])
+            failure.end_job(1)
         raise StepError(text)
 
     def _ensure_monitor(self) -> None:
@@ -332,18 +382,26 @@ class Watchdog:
     def _watch(self, main: int | None) -> None:
         while not self._closed:
             time.sleep(min(1.0, self.limit / 4))
-            what = self._blocked
+            what, call = self._blocked, self._call
             mine = self.read(self.rank)
             if what is None or mine is None or mine.state != "waiting":
                 continue
             if time.time() - mine.since > self.limit:
                 frame = sys._current_frames().get(main) if main is not None else None
                 with contextlib.suppress(StepError):
-                    self.expire(f"[{self.tag}] waited more than stall_timeout={self.limit}s "
-                                f"for {what}. A peer rank is stuck or failed; see its row below. "
-                                f"Raise stall_timeout in the config if steps are legitimately "
-                                f"slow.", frame)
+                    self.expire(self._stall_message(what, call), frame)
                 return
+
+    def _stall_message(self, what: str, call: Call | None) -> str:
+        """What the monitor says of a wait past the limit ([Note: who arrived])."""
+        head = f"[{self.tag}] waited more than stall_timeout={self.limit}s "
+        if call is None:
+            return (f"{head}for {what}. A peer rank is stuck or failed; see its row below. "
+                    f"Raise stall_timeout in the config if steps are legitimately slow.")
+        members = call.ranks if call.peer is None else (call.peer,)
+        statuses = {r: self.read(r) for r in members}
+        own = describe(call.group, call.op, call.seq, call.api, call.what)
+        return head + explain(call, self.rank, statuses, "" if what == own else what)
 
     def close(self, remove_directory: bool = False) -> None:
         """Stops the monitor and removes this rank's file (and, if asked, the directory once
@@ -369,44 +427,81 @@ def _body_crc(raw: bytes) -> int:
     return zlib.crc32(raw[_BODY_AT:_BODY_AT + _BODY.size])
 
 
-def _parse(raw: bytes) -> Status | None:
+def _parse(raw: bytes, host: str) -> Status | None:
     try:
-        magic, _, pid, rank, pipe, state, step, since, action, detail, host = _RECORD.unpack(raw)
+        fields = _RECORD.unpack(raw)
     except struct.error:
         return None
+    magic, _, pid, rank, pipe, rank_host, state, step, since, action, detail = fields[:11]
+    group, call_seq, op, api, what = fields[11:16]
     if magic != _MAGIC:
         return None
-    return Status(rank, pipe, pid, _text(host), step, _STATE_NAMES.get(state, "?"),
-                  _text(action), _text(detail), since)
+    rank_host = _text(rank_host)
+    return Status(rank, pipe, pid, rank_host, step, _STATE_NAMES.get(state, "?"),
+                  _text(action), _text(detail), since, group, call_seq, _text(op), _text(api),
+                  _text(what), tuple(fields[16:]),
+                  process_state(pid) if rank_host == host else "")
 
 
-def _alive(pid: int) -> bool:
+def process_state(pid: int) -> str:
+    """"running" (or sleeping), "stopped" (SIGSTOP, a debugger: state T or t) or "gone"."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return "gone"
     except OSError:
-        return True
+        return "running"
     try:  # a zombie is gone too (its parent has not reaped it yet)
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            code = f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return True
+        return "running"
+    return "gone" if code in ("Z", "X") else "stopped" if code in ("T", "t") else "running"
 
 
-def _row(rank: int, pipeline_rank: int, st: Status | None, now: float, host: str) -> list[str]:
+def _strip_tag(text: str, tag: str) -> str:
+    """The message without its own leading ``[tag] `` (each printed line carries the tag)."""
+    prefix = f"[{tag}] "
+    return text[len(prefix):] if text.startswith(prefix) else text
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+                 os.path.dirname(os.__file__) + os.sep)
+
+
+def _script_line(stack: traceback.StackSummary) -> list[str]:
+    """Where the script made the call that waited: its innermost frame outside tfsmp and the
+    installed libraries (empty when there is none)."""
+    for frame in reversed(stack):
+        path = os.path.abspath(frame.filename)
+        if (not path.startswith(_LIBRARY_DIRS) and "site-packages" not in path
+                and not frame.filename.startswith("<")):
+            return [f"(called from {frame.filename}:{frame.lineno} in {frame.name}; "
+                    f"TFSMP_DEBUG=1 shows the stack)"]
+    return []
+
+
+def _row(rank: int, pipeline_rank: int, st: Status | None, now: float) -> list[str]:
     if st is None:
         return [str(rank), str(pipeline_rank), "?", "?", "?", "no status", "-", "-",
                 f"no status file (not started yet, or on another host: set {DIR_ENV} to a "
                 f"directory every host shares)"]
-    detail = st.detail
-    if st.state == "running":
+    detail, state = st.detail, st.state
+    if state == "running":
         detail = "computing or in the script's own code" if st.action else "starting the step"
-    if st.state == "started":
+    if state == "started":
         detail = "has not run a pipeline step yet"
-    if st.host == host and not _alive(st.pid):
+    if state == "exited":
+        detail = "its script ended (waits in MPI_Finalize)"
+    if state == "waiting" and st.group >= 0 and not detail:
+        detail = describe(st.group, st.op, st.call_seq, st.api, st.what)
+    if st.process == "stopped":
+        state = "stopped"
+        detail = (f"process {st.pid} is stopped (SIGSTOP or a debugger); last: "
+                  f"{st.state}{', ' + detail if detail else ''}")
+    if st.process == "gone":
         detail = f"process {st.pid} is gone (killed or crashed); last: {detail or st.state}"
-    return [str(rank), str(st.pipeline_rank), st.host, str(st.pid), str(st.step), st.state,
+    return [str(rank), str(st.pipeline_rank), st.host, str(st.pid), str(st.step), state,
             st.action or "-", f"{max(0.0, now - st.since):.1f} s", detail]
 
 
@@ -450,9 +545,42 @@ def for_process() -> Watchdog | None:
     return dog
 
 
+@contextlib.contextmanager
+def watched(group: Any, op: str, peer: int | None = None) -> Iterator[None]:
+    """Runs a blocking call of ``group`` under this process's watchdog.
+
+    See [Note: watched collectives]. A collective (``peer`` None) counts as the group's next
+    call on every rank, watchdog or not, so the counts agree between ranks.
+
+    Args:
+        group: A `Group` (its ``index``, ``ranks`` and ``calls`` are read; ``calls`` goes up).
+        op: The operation, e.g. "allgather_obj".
+        peer: For a receive, the sender's index in ``group``.
+    """
+    seq = 0
+    if peer is None:
+        seq = group.calls = getattr(group, "calls", 0) + 1
+    dog = for_process()
+    if dog is None:
+        yield
+        return
+    ranks = getattr(group, "ranks", ())
+    source = ranks[peer] if peer is not None and 0 <= peer < len(ranks) else peer
+    with dog.collective(Call.of(group, op, seq, source)):
+        yield
+
+
 def _close_process() -> None:
-    if _PROCESS is not None:
-        _PROCESS[2].close(remove_directory=True)
+    """At exit: a record that says the script ended where Open MPI cleans up the directory,
+    else no file left behind ([Note: watched collectives])."""
+    if _PROCESS is None:
+        return
+    dog = _PROCESS[2]
+    if os.environ.get("OMPI_FILE_LOCATION") and not os.environ.get(DIR_ENV):
+        dog._closed = True
+        dog.exited()
+        return
+    dog.close(remove_directory=True)
 
 
 atexit.register(_close_process)
