@@ -168,7 +168,9 @@ def explain(call: Call, me: int, statuses: Mapping[int, _Record | None], outer: 
     where = describe(call.group, call.op, call.seq, call.api, call.what)
     lead = f"for {outer}, in {where}" if outer else f"in {where}"
     if call.peer is not None:
-        return f"{lead}, for a message from rank {call.peer}: {_absent(statuses.get(call.peer))}."
+        st = statuses.get(call.peer)
+        text = f"{lead}, for a message from rank {call.peer}: {_absent(st)}."
+        return text + (_advice(call, [st], False) if st is None or st.state != "waiting" else "")
     arrived, other, absent = [me], [], []
     for rank in call.ranks:
         if rank == me:

@@ -14,6 +14,7 @@ Modes:
   get_weights   only rank 0 calls get_weights() (`if rank == 0`), rank 1 ends its script
   save          only rank 0 calls model.save(...)
   no_compile    every rank calls fit without compile (a tfsmp error after init)
+  bad_label     a sparse label out of range in batch 2 (the last stage's loss fails)
 
 The job trains under stall_timeout=600 until its stage programs are traced, then lowers it to
 STALL_TIMEOUT (a first trace on a loaded machine may take longer). The faulty rank prints
@@ -149,6 +150,21 @@ def run_no_compile() -> None:
     dm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
 
+def run_bad_label() -> None:
+    keras.utils.set_random_seed(3)
+    x = keras.Input((8,), name="x")
+    h = keras.layers.Dense(16, activation="tanh", name="d0")(x)
+    h = keras.layers.Dense(16, activation="tanh", name="d1")(h)
+    dm = tfsmp.DistributedModel(keras.Model(x, keras.layers.Dense(3, name="out")(h)))
+    dm.compile(optimizer=keras.optimizers.SGD(0.01),
+               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    features, _ = data()
+    labels = np.zeros((len(features),), np.int32)
+    labels[2 * BATCH + 1] = 5  # classes are 0, 1, 2
+    print(f"FAULT {time.time():.3f} rank {tfsmp.rank()}", flush=True)
+    dm.fit(features, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+
+
 def main() -> None:
     tfsmp.init()
     if MODE in ("stop_between", "kill_between", "stop_mid"):
@@ -160,6 +176,8 @@ def main() -> None:
         return  # rank 1 ends its script here; rank 0 waits in the collective
     elif MODE == "no_compile":
         run_no_compile()
+    elif MODE == "bad_label":
+        run_bad_label()
     else:
         raise SystemExit(f"unknown mode {MODE!r}")
     tfsmp.barrier()
