@@ -36,9 +36,9 @@ from typing import Any
 from tfsmp import relaunch
 from tfsmp.errors import TfsmpError
 
-__all__ = ["DEBUG_ENV", "DIR_ENV", "SETUP_GRACE", "abort_job", "claim_report", "debugging",
-           "default_directory", "end_job", "format_setup_error", "format_short", "format_tagged",
-           "install", "installed", "launcher_rank", "mark_setup_error", "REPORT_GRACE",
+__all__ = ["DEBUG_ENV", "DIR_ENV", "REPORT_GRACE", "SETUP_GRACE", "abort_job", "claim_report",
+           "debugging", "default_directory", "end_job", "format_setup_error", "format_short",
+           "format_tagged", "install", "installed", "launcher_rank", "mark_setup_error",
            "uninstall"]
 
 _previous: tuple[Any, Any] | None = None

@@ -104,8 +104,8 @@ def test_get_weights_on_rank_0_only_says_the_call_is_collective(tmp_path: Path) 
     assert re.search(r"`DistributedModel\.get_weights\(\)` gathers from every rank: call it on "
                      r"every rank, not only where rank == 0|The call is collective: every rank of "
                      r"the group must make it", line), line
-    assert re.search(r"^\[rank 0 \| pp_rank 0\] 1 +\| 1 +\| .*\| exited ", run.result.stderr,
-                     re.M)
+    assert re.search(r"^\[rank 0 \| pp_rank 0\] 1 +\| 1 +\| .*\| exited ",
+                     run.result.rank_stderr.get(0, ""), re.M), run.result.describe()
 
 
 def test_save_on_rank_0_only_names_model_save(tmp_path: Path) -> None:
@@ -151,8 +151,8 @@ def _trial(tmp_path: Path, trial: Trial) -> None:
     assert rank != trial.rank, line
     peer = trial.rank
     assert re.search(rf"^\[rank {rank} \| pp_rank {rank}\] {peer} +\| {peer} +\| .*\| stopped +\|"
-                     rf" .*\| process \d+ is stopped \(SIGSTOP or a debugger\); last: ", res.stderr,
-                     re.M), res.describe()
+                     rf" .*\| process \d+ is stopped \(SIGSTOP or a debugger\); last: ",
+                     res.rank_stderr.get(rank, ""), re.M), res.describe()
 
 
 def test_the_trials_cover_every_mode_and_rank() -> None:

@@ -171,7 +171,9 @@ def explain(call: Call, me: int, statuses: Mapping[int, _Record | None], outer: 
         st = statuses.get(call.peer)
         text = f"{lead}, for a message from rank {call.peer}: {_absent(st)}."
         return text + (_advice(call, [st], False) if st is None or st.state != "waiting" else "")
-    arrived, other, absent = [me], [], []
+    arrived: list[int] = [me]
+    other: list[int] = []
+    absent: list[int] = []
     for rank in call.ranks:
         if rank == me:
             continue

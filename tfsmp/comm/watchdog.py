@@ -68,7 +68,7 @@ import threading
 import time
 import traceback
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, NoReturn
@@ -294,7 +294,9 @@ class Watchdog:
             self._set(state, self._action, detail)
 
     def exited(self) -> None:
-        """The script ended (at exit, before MPI_Finalize): see [Note: watched collectives]."""
+        """The script ended (at exit, before MPI_Finalize): see [Note: watched collectives].
+        The monitor stops: nothing is left to watch."""
+        self._closed = True
         self._action = b""
         self._set(EXITED, b"", b"")
 
@@ -399,7 +401,7 @@ class Watchdog:
             return (f"{head}for {what}. A peer rank is stuck or failed; see its row below. "
                     f"Raise stall_timeout in the config if steps are legitimately slow.")
         members = call.ranks if call.peer is None else (call.peer,)
-        statuses = {r: self.read(r) for r in members}
+        statuses: dict[int, Any] = {r: self.read(r) for r in members}
         own = describe(call.group, call.op, call.seq, call.api, call.what)
         return head + explain(call, self.rank, statuses, "" if what == own else what)
 
@@ -577,7 +579,6 @@ def _close_process() -> None:
         return
     dog = _PROCESS[2]
     if os.environ.get("OMPI_FILE_LOCATION") and not os.environ.get(DIR_ENV):
-        dog._closed = True
         dog.exited()
         return
     dog.close(remove_directory=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from tfsmp.comm import watchdog as _impl
-from tfsmp.comm.watchdog import (  # noqa: F401 - the names the runtime and tests use
+from tfsmp.comm.watchdog import (  # the names the runtime and tests use
     DIR_ENV,
     Status,
     Watchdog,
