@@ -102,6 +102,9 @@ def test_a_stopped_rank_is_shown_stopped_not_computing(tmp_path: Path) -> None:
         text = _why(r0, _get_weights(1))
         assert re.search(r"Not arrived: rank 1 \(its process \d+ is stopped \(SIGSTOP or a "
                          r"debugger\)\)\. A rank that stops or dies makes its peers wait", text)
+        with pytest.raises(StepError, match=r"^\[rank 0 \| pp_rank 0\] waited for gradients\. "
+                           r"Rank 1's process \d+ is stopped \(SIGSTOP or a debugger\)\.\n"):
+            r0.expire("[rank 0 | pp_rank 0] waited for gradients.")  # the executor's stall
         r0.close()
     finally:
         child.kill()

@@ -351,8 +351,8 @@ class Watchdog:
         Raises:
             StepError: when there is no multi-rank MPI job to end.
         """
-        text = (f"{message}\nWhat every rank was doing (tfsmp watchdog; 'for' = time in that "
-                f"state):\n{self.report()}")
+        text = (f"{message}{self._stopped_or_gone(message)}\nWhat every rank was doing (tfsmp "
+                f"watchdog; 'for' = time in that state):\n{self.report()}")
         with self._lock:
             if failure.claim_report():
                 shown = _strip_tag(text, self.tag)
@@ -372,6 +372,19 @@ class Watchdog:
             relaunch.record_failure(self.tag, "StepError: " + message.splitlines()[0][:300])
             failure.end_job(1)
         raise StepError(text)
+
+    def _stopped_or_gone(self, message: str) -> str:
+        """A sentence per rank whose process is stopped or gone, unless ``message`` says so."""
+        if "is stopped" in message or "is gone" in message:
+            return ""
+        said = ""
+        for rank in range(self.size):
+            st = self.read(rank) if rank != self.rank else None
+            if st is not None and st.process in ("stopped", "gone"):
+                what = ("stopped (SIGSTOP or a debugger)" if st.process == "stopped" else
+                        "gone (killed, crashed or exited)")
+                said += f" Rank {rank}'s process {st.pid} is {what}."
+        return said
 
     def _ensure_monitor(self) -> None:
         if self.limit <= 0 or self._monitor is not None:
