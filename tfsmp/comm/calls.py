@@ -178,7 +178,9 @@ def explain(call: Call, me: int, statuses: Mapping[int, _Record | None], outer: 
         if rank == me:
             continue
         st = statuses.get(rank)
-        found = _arrived(call, st) if st is not None else None
+        # a stopped or dead member cannot finish the call even if it entered it
+        usable = st is not None and st.process not in ("stopped", "gone")
+        found = _arrived(call, st) if st is not None and usable else None
         (arrived if found == "arrived" else other if found == "other" else absent).append(rank)
     text = (f"{lead}, a collective call every rank of the group ({_ranks(list(call.ranks))}) "
             f"must make. Arrived: {_ranks(sorted(arrived))}.")
