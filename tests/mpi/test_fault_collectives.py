@@ -29,7 +29,7 @@ pytestmark = pytest.mark.mpi
 
 STALL_TIMEOUT = 5.0          # s, as fault_collectives.py sets it
 BOUND = STALL_TIMEOUT + 30.0  # s from the fault to the end of mpirun (issue 27)
-MODES = ("stop_between", "kill_between", "stop_mid", "stop_save", "kill_save")
+MODES = ("stop_between", "kill_between", "stop_mid", "stop_save", "kill_save", "stop_backup")
 REPORT = r"\[rank (\d) \| pp_rank \d\] StepError: waited more than stall_timeout=5\.0s "
 
 
@@ -116,6 +116,18 @@ def test_save_on_rank_0_only_names_model_save(tmp_path: Path) -> None:
     assert "in DistributedModel.save" in line, line
     assert re.search(r"`DistributedModel\.save\(\)` \w+( \w+)? every rank: call it on every "
                      r"rank, not only where rank == 0", line), line
+
+
+def test_a_rank_stopped_between_steps_of_a_backed_up_fit_ends_the_job(tmp_path: Path) -> None:
+    # issue 27: the peers used to wait for ever in the per-step preemption allreduce
+    run = _launch(tmp_path, "stop_backup", 1, 2)
+    _check_ended(run)
+    rank, line = _one_report(run)
+    assert rank == 0
+    assert re.search(r"in allreduce_ #\d+ on the world group.*\(the per-step preemption check\), "
+                     r"a collective call every rank of the group \(ranks 0, 1\) must make\. "
+                     r"Arrived: rank 0\. Not arrived: rank 1 \(its process \d+ is stopped "
+                     r"\(SIGSTOP or a debugger\)\)\.", line), line
 
 
 def test_a_tfsmp_error_after_init_prints_one_tagged_line_per_job(tmp_path: Path) -> None:

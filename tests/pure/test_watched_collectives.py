@@ -113,10 +113,15 @@ def test_a_stopped_rank_is_shown_stopped_not_computing(tmp_path: Path) -> None:
 
 def test_labels_nest_outermost_is_the_api() -> None:
     group = SimpleNamespace(index=WORLD, ranks=[0, 1])
-    with collective_label("DistributedModel.fit"), collective_label("the preemption check"):
+    inner = collective_label("the preemption check", api=False)
+    with collective_label("DistributedModel.fit"), inner:
         call = Call.of(group, "allreduce_", 7)
     assert (call.api, call.what, call.ranks) == ("DistributedModel.fit", "the preemption check",
                                                  (0, 1))
+    with collective_label("the preemption check", api=False):  # no API around it
+        call = Call.of(group, "allreduce_", 8)
+    assert (call.api, call.what) == ("", "the preemption check")
+    assert "in allreduce_" in explain(call, 0, {1: None}) and "()`" not in explain(call, 0, {})
     with collective_label("smp.barrier"):
         assert Call.of(group, "barrier", 1).what == ""
 

@@ -51,23 +51,27 @@ _VERBS = {
 _local = threading.local()
 
 
-def labels() -> list[str]:
-    """This thread's labels, outermost first."""
-    stack: list[str] | None = getattr(_local, "stack", None)
+def labels() -> list[tuple[str, bool]]:
+    """This thread's labels, outermost first: (text, whether it names a user-level API)."""
+    stack: list[tuple[str, bool]] | None = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
     return stack
 
 
 @contextmanager
-def collective_label(label: str) -> Iterator[None]:
+def collective_label(label: str, *, api: bool = True) -> Iterator[None]:
     """Names the API whose collectives run inside the block ([Note: collective labels]).
+
+    Also a decorator: ``@collective_label("DistributedModel.save")``.
 
     Args:
         label: The user-level call, e.g. "DistributedModel.get_weights" (no parentheses).
+        api: False for what tfsmp does inside an API ("the per-step preemption check"): the
+            message then names it in parentheses and never tells the user to call it.
     """
     stack = labels()
-    stack.append(label)
+    stack.append((label, api))
     try:
         yield
     finally:
@@ -93,8 +97,8 @@ class Call:
     @staticmethod
     def of(group: Any, op: str, seq: int, peer: int | None = None) -> Call:
         stack = labels()
-        api = stack[0] if stack else ""
-        what = stack[-1] if len(stack) > 1 and stack[-1] != api else ""
+        api = next((text for text, is_api in stack if is_api), "")
+        what = next((text for text, is_api in reversed(stack) if text != api), "")
         return Call(int(getattr(group, "index", OTHER_GROUP)), op, seq, api, what,
                     tuple(getattr(group, "ranks", ())), peer)
 

@@ -8,6 +8,8 @@ Modes:
   stop_between  RANK SIGSTOPs itself after step STEP (in on_train_batch_end): its peers wait in
                 fit's next per-step collective
   kill_between  the same with SIGKILL
+  stop_backup   stop_between in a fit with Keras's BackupAndRestore: the peers wait in the
+                per-step preemption check
   stop_mid      RANK SIGSTOPs itself inside its forward pass of step STEP
   stop_save     RANK SIGSTOPs itself after writing its first array of a CheckpointManager save
   kill_save     the same with SIGKILL
@@ -42,6 +44,7 @@ MODE, DIRECTORY = sys.argv[1], sys.argv[3]
 RANK = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 STEP = int(sys.argv[5]) if len(sys.argv) > 5 else 3
 _step = {"now": -1}
+BETWEEN = ("stop_between", "kill_between", "stop_backup")
 
 
 def fault(sig: int) -> None:
@@ -91,7 +94,7 @@ class Faults(keras.callbacks.Callback):  # type: ignore[misc]
         self.seen += 1
 
     def on_train_batch_end(self, batch: int, logs: object = None) -> None:
-        if _step["now"] == STEP and tfsmp.rank() == RANK and MODE.endswith("_between"):
+        if _step["now"] == STEP and tfsmp.rank() == RANK and MODE in BETWEEN:
             fault(signal.SIGSTOP if MODE.startswith("stop") else signal.SIGKILL)
 
 
@@ -103,8 +106,11 @@ def compiled() -> tfsmp.DistributedModel:
 
 def run_fit() -> None:
     x, y = data()
+    callbacks: list[keras.callbacks.Callback] = [Faults()]
+    if MODE == "stop_backup":
+        callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(DIRECTORY, "backup")))
     compiled().fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                   callbacks=[Faults()])
+                   callbacks=callbacks)
 
 
 def run_save() -> None:
@@ -167,7 +173,7 @@ def run_bad_label() -> None:
 
 def main() -> None:
     tfsmp.init()
-    if MODE in ("stop_between", "kill_between", "stop_mid"):
+    if MODE in (*BETWEEN, "stop_mid"):
         run_fit()
     elif MODE in ("stop_save", "kill_save"):
         run_save()
