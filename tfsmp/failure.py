@@ -101,7 +101,7 @@ def _report(exc_type: type[BaseException], exc: BaseException, tb: TracebackType
             thread: str | None = None) -> None:
     with _lock:  # two threads failing at once must not interleave their lines
         tag = _safe_tag()
-        if claim_report():
+        if debugging() or claim_report():
             try:
                 sys.stderr.write(format_short(exc, tag) if _short(exc) else
                                  _where(tag) + format_tagged(exc_type, exc, tb, tag, thread))
@@ -123,10 +123,11 @@ def _report(exc_type: type[BaseException], exc: BaseException, tb: TracebackType
 # that rank prints, the others end silently after REPORT_GRACE. A tfsmp error (`TfsmpError`) is
 # the user's to fix, not a crash: under a launcher it prints as its message alone, every line
 # tagged ``[rank R | pp_rank S]``; other exceptions keep their traceback. `TFSMP_DEBUG=1`
-# prints every traceback. The rank then exits with status 1 rather than calling MPI_Abort:
-# Open MPI's launcher ends the job just as fast when a rank exits non-zero (measured: 2.4 s
-# either way) and prints one banner instead of two, which `tfsmp run` drops as redundant
-# (`tfsmp.launch.output`). Where no job directory is known, every failing rank prints.
+# prints every traceback, on every rank that fails. The rank then exits with status 1 rather
+# than calling MPI_Abort: Open MPI's launcher ends the job just as fast when a rank exits
+# non-zero (measured: 2.4 s either way) and prints one banner instead of two, which `tfsmp run`
+# drops as redundant (`tfsmp.launch.output`). Where no job directory is known, every failing
+# rank prints.
 REPORT_GRACE = 0.5  # s a rank that does not report waits before it exits
 DIR_ENV = "TFSMP_WATCHDOG_DIR"
 # Environment variables that name the running job, launcher by launcher.

@@ -354,7 +354,7 @@ class Watchdog:
         text = (f"{message}{self._stopped_or_gone(message)}\nWhat every rank was doing (tfsmp "
                 f"watchdog; 'for' = time in that state):\n{self.report()}")
         with self._lock:
-            if failure.claim_report():
+            if failure.debugging() or failure.claim_report():
                 shown = _strip_tag(text, self.tag)
                 stack = traceback.extract_stack(frame or sys._getframe(1))
                 if failure.debugging():
