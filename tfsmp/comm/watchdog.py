@@ -96,6 +96,7 @@ _CRC = struct.Struct("<I")  # CRC-32 of the body, after the record
 _CRC_AT = _RECORD.size
 _SIZE = 512
 
+_NO_CALL = (-1, 0, b"", b"", b"")  # the call fields of a record outside any call
 NONE, RUNNING, WAITING, IDLE, EXITED = 0, 1, 2, 3, 4
 _STATE_NAMES = {NONE: "started", RUNNING: "running", WAITING: "waiting", IDLE: "idle",
                 EXITED: "exited"}
@@ -166,6 +167,7 @@ class Watchdog:
         self._monitor: threading.Thread | None = None
         self._blocked: str | None = None
         self._call: Call | None = None
+        self._call_fields: tuple[int, int, bytes, bytes, bytes] = _NO_CALL
         self._seqs = [0] * _GROUPS
         self._state, self._detail = NONE, b""
         self._lock = threading.Lock()
@@ -206,12 +208,9 @@ class Watchdog:
     def _set(self, state: int, action: bytes, detail: bytes) -> None:
         # [Note: status files] sequence lock: odd while the body is being rewritten
         self._state, self._detail = state, detail
-        call = self._call
-        group, seq, op, api, what = ((call.group, call.seq, call.op, call.api, call.what)
-                                     if call is not None else (-1, 0, "", "", ""))
         seq_lock = self._seq = self._seq + 1
-        body = _BODY.pack(state, self._step, time.time(), action, detail, group, seq,
-                          _encode(op, 16), _encode(api, 64), _encode(what, 64), *self._seqs)
+        body = _BODY.pack(state, self._step, time.time(), action, detail, *self._call_fields,
+                          *self._seqs)
         _SEQ.pack_into(self._map, _SEQ_AT, 2 * seq_lock - 1)
         self._map[_BODY_AT:_BODY_AT + _BODY.size] = body
         _CRC.pack_into(self._map, _CRC_AT, zlib.crc32(body))
@@ -281,6 +280,8 @@ class Watchdog:
         outer = self._blocked
         state, detail = self._state, self._detail
         self._call = call
+        self._call_fields = (call.group, call.seq, _encode(call.op, 16), _encode(call.api, 64),
+                             _encode(call.what, 64))
         if outer is None:
             self._blocked = describe(call.group, call.op, call.seq, call.api, call.what)
         self._set(WAITING, self._action, _encode(outer or self._blocked or "", 160))
@@ -288,7 +289,7 @@ class Watchdog:
         try:
             yield
         finally:
-            self._call = None
+            self._call, self._call_fields = None, _NO_CALL
             if outer is None:
                 self._blocked = None
             self._set(state, self._action, detail)
