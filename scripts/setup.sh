@@ -6,7 +6,8 @@
 #   bash scripts/setup.sh --test    # the tests too: test and viz extras, keras-hub, and Horovod,
 #                                   # patched and built by `tfsmp install-horovod` (~6-9 min on
 #                                   # 2 cores; skipped when a working build is present, or with
-#                                   # TFSMP_SKIP_HOROVOD=1)
+#                                   # TFSMP_SKIP_HOROVOD=1; a new environment installs the wheel
+#                                   # an earlier build kept in ~/.cache/tfsmp/horovod-wheels)
 #
 # Horovod only serves `horovod: True` (data-parallel reduction through Horovod); without it tfsmp
 # reduces over MPI, and `horovod: True` without a build says to run `tfsmp install-horovod`.

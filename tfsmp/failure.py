@@ -24,6 +24,7 @@ import contextlib
 import os
 import re
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -175,8 +176,10 @@ def claim_report(environ: Mapping[str, str] | None = None) -> bool:
     if directory is not None:
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
+            if not _ours(directory):  # [Note: private temp folders] in tfsmp/tempdirs.py
+                raise PermissionError(directory)
             fd = os.open(os.path.join(directory, "reported"),
-                         os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
             os.write(fd, f"{launcher_rank(env)} {os.getpid()}\n".encode())
             os.close(fd)
         except FileExistsError:
@@ -185,6 +188,13 @@ def claim_report(environ: Mapping[str, str] | None = None) -> bool:
             mine = True
     _claimed.append(mine)
     return mine
+
+
+def _ours(directory: str) -> bool:
+    """Whether ``directory`` is a real directory of this user's (not a symlink)."""
+    info = os.lstat(directory)
+    uid = os.geteuid() if hasattr(os, "geteuid") else info.st_uid
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == uid
 
 
 def end_job(code: int = 1) -> None:

@@ -86,7 +86,7 @@ def test_unseeded_permutation_fails_clearly_on_every_rank(results: dict[str, Any
 
     for rank, r in enumerate(case_results(results, "case_unseeded_permutation_fit")):
         assert r["error"].startswith(f"StepError: [rank {rank} | pp_rank {rank}] ")
-        assert re.search(SAME_BATCH.format(where="in the first batch of epoch 0",
+        assert re.search(SAME_BATCH.format(where="at step 0 of epoch 0",
                                            kind="the contents differ"), r["error"]), r["error"]
         assert r["seconds"] < PROMPT
         assert r["then_trains"]
@@ -117,7 +117,7 @@ def test_step_inputs_checked_within_the_pipeline_only(results: dict[str, Any]) -
 def test_fit_replicas_split_one_global_batch(results: dict[str, Any]) -> None:
     a, b = case_results(results, "case_fit_replicas_share_one_batch")
     assert a["loss"] == b["loss"]
-    assert "got a different batch than rank 0 in the first batch of epoch 0" in a["error"]
+    assert "got a different batch than rank 0 at step 0 of epoch 0" in a["error"]
 
 
 def test_batch_checksum_is_cheap(results: dict[str, Any]) -> None:

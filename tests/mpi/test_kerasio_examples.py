@@ -86,4 +86,4 @@ def test_kerasio_example_trains_and_agrees_with_keras(
     if "unseeded" in a["modes"]:  # the example's own unseeded np.random.permutation
         for r in (a, b):
             err = r["modes"]["unseeded"]["error"] or ""
-            assert "got a different batch than rank 0 in the first batch of epoch 0" in err, err
+            assert "got a different batch than rank 0 at step 0 of epoch 0" in err, err

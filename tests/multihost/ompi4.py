@@ -35,13 +35,37 @@ def build() -> Path:
     second finds the first's environment complete."""
     venv = venv_dir()
     if ready():
-        return venv
+        return link_main_environment(venv)
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / (venv.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if ready():
-            return venv
-        return _build(venv)
+        if not ready():
+            _build(venv)
+    return link_main_environment(venv)
+
+
+MAIN_PTH = "tfsmp-main-environment.pth"
+
+
+def link_main_environment(venv: Path) -> Path:
+    """Makes the main environment's packages (TensorFlow, tfsmp) visible to ``venv``'s Python.
+
+    `--system-site-packages` shows the *base* interpreter's packages, which are the main
+    environment's only when that is not itself a virtual environment. In one (CI's, the
+    README's `python3 -m venv .venv`), a `.pth` file in ``venv``'s site-packages adds the main
+    environment's site-packages after ``venv``'s own, so its Open MPI 4 and mpi4py still come
+    first. Rewritten on every use, since the cached ``venv`` may serve another environment next
+    time (removed when the main environment is the base interpreter's)."""
+    import sysconfig
+
+    pth = Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}),
+               MAIN_PTH)
+    main = sysconfig.get_path("purelib")
+    if sys.prefix == sys.base_prefix:
+        pth.unlink(missing_ok=True)
+    else:
+        pth.write_text(f"import site; site.addsitedir({main!r})\n")
+    return venv
 
 
 def _build(venv: Path) -> Path:

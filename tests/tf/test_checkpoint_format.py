@@ -285,13 +285,32 @@ def test_other_shape_is_named_with_file_and_variable(smp: object, good_checkpoin
 # -- Keras files ---------------------------------------------------------------------------------
 
 def _h5_tree(path: Path) -> list[tuple[str, dict, object]]:
+    """Groups and datasets with attributes and values, less tfsmp's checksum attribute
+    ([Note: verified files] in tfsmp/checkpoint/checksum.py; checked by _checksummed)."""
     import h5py
+
+    from tfsmp.checkpoint.checksum import DIGEST_ATTR
 
     out: list[tuple[str, dict, object]] = []
     with h5py.File(path, "r") as f:
         f.visititems(lambda n, o: out.append(
-            (n, dict(o.attrs), o[()].tolist() if hasattr(o, "shape") else None)))
+            (n, {k: v for k, v in o.attrs.items() if k != DIGEST_ATTR},
+             o[()].tolist() if hasattr(o, "shape") else None)))
     return out
+
+
+def _checksummed(path: Path) -> bool:
+    """Every dataset carries tfsmp's CRC-32, and every non-scalar one HDF5's fletcher32."""
+    import h5py
+
+    from tfsmp.checkpoint.checksum import DIGEST_ATTR
+
+    found: list[bool] = []
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda n, o: found.append(
+            DIGEST_ATTR in o.attrs and (o.ndim == 0 or o.fletcher32))
+            if isinstance(o, h5py.Dataset) else None)
+    return bool(found) and all(found)
 
 
 def test_weights_file_has_the_groups_attributes_and_values_keras_writes(smp: object, tmp_path: Path) -> None:
@@ -308,6 +327,7 @@ def test_weights_file_has_the_groups_attributes_and_values_keras_writes(smp: obj
         v.assign(state[v.name])
     plain.save_weights(str(tmp_path / "keras.weights.h5"))
     assert _h5_tree(tmp_path / "ours.weights.h5") == _h5_tree(tmp_path / "keras.weights.h5")
+    assert _checksummed(tmp_path / "ours.weights.h5")
     dm.save(str(tmp_path / "m.keras"))
     loaded = keras.models.load_model(str(tmp_path / "m.keras"))
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), dm.predict(x))

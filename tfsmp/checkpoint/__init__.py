@@ -17,6 +17,7 @@ from tfsmp.lazy import LazyNames
 _LAZY: dict[str, str] = {
     "CheckpointManager": "tfsmp.checkpoint.manager",
     "BackupAndRestore": "tfsmp.checkpoint.callbacks",
+    "CorruptFileError": "tfsmp.checkpoint.checksum",
     "export_checkpoint": "tfsmp.checkpoint.offline",
 }
 

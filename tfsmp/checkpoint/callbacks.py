@@ -82,7 +82,12 @@ class BackupAndRestore(keras.callbacks.Callback):  # type: ignore[misc]
             return
         self._batches += 1
         if self._batches % int(self.save_freq) == 0:
-            self.backup_now({"epoch": self._epoch, "step": batch + 1})
+            from tfsmp.checkpoint.fit_resume import current_position
+
+            # fit's position counts a resumed epoch's passed-over batches too ([Note: exact
+            # resume] in fit_resume); Keras's ``batch`` counts from where this fit began
+            self.backup_now(current_position(self.model) or {"epoch": self._epoch,
+                                                              "step": batch + 1})
 
     def backup_now(self, position: dict[str, int]) -> str:
         """Writes a backup at ``position`` now (every rank calls); returns its path. ``fit`` calls

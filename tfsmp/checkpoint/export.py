@@ -31,7 +31,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from tfsmp.checkpoint import keras_h5, keras_optimizer
+from tfsmp.checkpoint import checksum, keras_h5, keras_optimizer
 from tfsmp.checkpoint.keras_h5 import Entry, H5Layout
 from tfsmp.comm import collective_label
 from tfsmp.errors import CheckpointError
@@ -81,7 +81,10 @@ def remember_inputs(dm: Any, sample_x: Any) -> None:
     import tensorflow as tf
 
     def dtype(t: Any) -> str:
-        return str(keras.backend.standardize_dtype(getattr(t, "dtype", None) or "float32"))
+        kind = getattr(t, "dtype", None) or "float32"
+        if isinstance(kind, np.dtype) and kind.kind in "OSU":
+            return "string"  # NumPy's arrays of bytes or str: TensorFlow's strings
+        return str(keras.backend.standardize_dtype(kind))
 
     if isinstance(sample_x, dict):  # by input name: flattening would sort the keys
         _FED[dm] = {str(k): dtype(v) for k, v in sample_x.items() if not isinstance(v, dict)}
@@ -334,8 +337,9 @@ def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
     ``.h5``/``.hdf5`` (Keras's legacy HDF5 model file, as ``keras.Model.save`` writes it).
 
     Every rank calls it; world rank 0 writes a file that plain ``keras.models.load_model``
-    opens in one process. The optimizer's state is not written (it lives on the stages); use
-    `CheckpointManager` to resume training.
+    opens in one process, as ``keras.Model.save`` writes it: a ``.keras`` file keeps the
+    compile arguments and (``include_optimizer``, default True) the optimizer's state, so the
+    loaded model evaluates and trains on as the saved one would.
 
     Raises:
         ValueError: another extension or unsupported arguments.
@@ -360,11 +364,13 @@ def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
             f"For a TensorFlow SavedModel call model.save_model(directory); to resume training "
             f"use tfsmp.CheckpointManager.")
     source = dm.source_model()
+    compile_config = dm.get_compile_config() if getattr(dm, "compiled", False) else None
 
     def finish(weights: str, out: str) -> None:
-        keras_h5.write_keras_archive(out, source, weights)
+        keras_h5.write_keras_archive(out, source, weights, compile_config=compile_config)
 
-    _collective_write(dm, path, overwrite, finish)
+    _collective_write(dm, path, overwrite, finish,
+                      optimizer=compile_config is not None and kwargs.get("include_optimizer", True))
 
 
 def _save_legacy_h5(dm: Any, path: str, overwrite: bool, include_optimizer: bool) -> None:
@@ -531,8 +537,9 @@ def _load_now(dm: Any, path: str, skip_mismatch: bool, exclude: frozenset[int] =
                     raise
                 notes = [f"Skipped the optimizer's state while loading weights: {e}"]
     except Exception as e:  # every rank must learn of it before anyone assigns
-        errors = [str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"]
+        errors = [checksum.gatherable(e)]
     everyone = [e for part in world.allgather_obj(errors) for e in part]
+    checksum.raise_gathered(everyone)  # an unreadable file: an OSError, no skip_mismatch advice
     if everyone:
         more = f" (and {len(everyone) - 1} more)" if len(everyone) > 1 else ""
         raise CheckpointError(everyone[0] + more + " Pass skip_mismatch=True to skip them.")
@@ -554,8 +561,9 @@ def _load_optimizer_now(dm: Any, path: str) -> None:
     try:
         values, notes = _read_optimizer(dm, path)
     except Exception as e:
-        errors = [str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"]
+        errors = [checksum.gatherable(e)]
     everyone = [e for part in world.allgather_obj(errors) for e in part]
+    checksum.raise_gathered(everyone)
     if everyone:
         raise CheckpointError(everyone[0])
     for message in notes:

@@ -2,8 +2,8 @@
 
 Example (what `DistributedModel.fit` does with the user's callbacks)::
 
-    callbacks = fit_callbacks(model, source, user_callbacks)   # [head, *user_callbacks, tail]
-    cb = keras.callbacks.CallbackList(callbacks, add_history=True, model=model, ...)
+    callbacks = fit_callbacks(model, sample, user_callbacks)   # [head, *user_callbacks, tail]
+    keras.Model.fit(model, x, y, callbacks=callbacks, ...)     # Keras's own fit runs them
 
     model.fit(x, y, epochs=3, callbacks=[keras.callbacks.BackupAndRestore("/ckpt/backup",
                                                                           save_freq=10)])
@@ -16,16 +16,20 @@ optimizer's state, and ``model._initial_epoch``. tfsmp gives it all that, and mo
   partitions the model (with the first batch, as the first step would), so the callback's
   ``optimizer.build(model.trainable_variables)`` finds the optimizer built with this rank's
   variables only and ``load_weights`` reads only this rank's arrays.
-* *The exact step.* Keras restarts an epoch from its first batch after a mid-epoch backup (its
-  ``training_metadata.json`` keeps the batch, unread). tfsmp resumes at the step after the
-  backup: `save_weights` writes the training position (``{"epoch": e, "step": s}``, s batches
-  of epoch e done) into the weights file itself, as a root attribute that Keras ignores, and the
-  tail callback hands it to ``fit`` (``model._initial_epoch`` / ``model._initial_step``). Keras's
-  own counters in the callback (``_current_epoch``, ``_last_batch_seen``) are set to match, so
-  the resumed run backs up where an uninterrupted one would and writes the right epoch into
-  its metadata. The batches of a resumed epoch are the uninterrupted run's as long as the data
-  order is deterministic (arrays with the ``seed`` parameter set, or ``shuffle=False``; a
-  dataset that yields the same order each time it is iterated).
+* *The exact step.* [Note: exact resume] Keras restarts an epoch from its first batch after a
+  mid-epoch backup (its ``training_metadata.json`` keeps the batch, unread). tfsmp resumes at
+  the step after the backup: `save_weights` writes the training position (``{"epoch": e,
+  "step": s}``, s batches of epoch e done) into the weights file itself, as a root attribute
+  that Keras ignores, and the tail callback hands it to ``fit`` (``model.resume_at``: Keras's
+  ``model._initial_epoch`` and tfsmp's step). At that epoch's beginning the head callback asks
+  the step functions to pass over its first s batches (``model.skip_batches``): Keras's loop
+  then counts the epoch's batches from 0 and ends the shortened epoch when the data runs out
+  (with Keras's "ran out of data" warning), while the positions written into backups count
+  from s. Keras's own counters in the callback (``_current_epoch``, ``_last_batch_seen``) are
+  set to match, so the resumed run backs up where an uninterrupted one would. The batches of a
+  resumed epoch are the uninterrupted run's as long as the data order is deterministic
+  (``keras.utils.set_random_seed`` or the ``seed`` parameter, or ``shuffle=False``; a dataset
+  that yields the same order each time it is iterated).
 * *Never a wrong restore.* The position travels with the weights, written atomically
   (`export`), so a rank killed at any moment leaves the old pair or the new one. Keras writes
   ``training_metadata.json`` after the weights from every rank, without a temporary file; the
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import keras
@@ -57,6 +62,7 @@ from tfsmp.runtime import preemption
 
 __all__ = ["POSITION_ATTR", "fit_callbacks", "read_position"]
 
+_RAN_OUT = "Your input ran out of data"  # Keras's EpochIterator warning
 POSITION_ATTR = "tfsmp_fit_position"  # root attribute of a .weights.h5 written during fit
 _MODEL_ATTR = "_tfsmp_fit_position"   # where fit's current position lives on the model
 
@@ -84,10 +90,23 @@ def current_position(model: Any) -> dict[str, int] | None:
     return dict(position) if position else None
 
 
-def fit_callbacks(model: Any, source: Any, callbacks: Any) -> list[Any]:
-    """The user's callbacks between tfsmp's head and tail callbacks. See the module docstring."""
-    user = list(keras.tree.flatten(callbacks)) if callbacks else []
-    return [_Head(source, user), *user, _Tail(user)]
+def fit_callbacks(model: Any, sample: Any, callbacks: Any) -> list[Any]:
+    """The user's callbacks between tfsmp's head and tail callbacks. See the module docstring.
+    ``sample()`` returns a batch (or spec) to partition the model with before the first step."""
+    user = user_callbacks(callbacks)
+    head = _Head(sample, user)
+    # Keras's CallbackList looks for a History and a ProgbarLogger among its callbacks
+    kept = [c for c in user if isinstance(c, (keras.callbacks.History,
+                                              keras.callbacks.ProgbarLogger))]
+    shifted = [c for c in user if not any(c is k for k in kept)]
+    return [head, *kept, *([_Shifted(shifted, head)] if shifted else []), _Tail(user)]
+
+
+def user_callbacks(callbacks: Any) -> list[Any]:
+    """The callbacks a user passed to ``fit``: a list, nested lists or a CallbackList."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    return list(keras.tree.flatten(callbacks)) if callbacks else []
 
 
 def _keras_backups(callbacks: list[Any]) -> list[Any]:
@@ -100,26 +119,33 @@ def _world(model: Any) -> Any:
 
 
 class _Head(keras.callbacks.Callback):  # type: ignore[misc]
-    """Runs before every user callback: prepares Keras's BackupAndRestore, tracks the position."""
+    """Runs before every user callback: prepares backups and checkpoint folders, tracks the
+    position, and passes over a resumed epoch's trained batches ([Note: exact resume])."""
 
-    def __init__(self, source: Any, user: list[Any]) -> None:
+    def __init__(self, sample: Any, user: list[Any]) -> None:
         super().__init__()
-        self._source = source
+        self._sample = sample
         self._backups = _keras_backups(user)
+        self._partition_first = bool(self._backups) or _has_tfsmp_backup(user)
+        self._checkpoints = [c for c in user if isinstance(c, keras.callbacks.ModelCheckpoint)]
         self._epoch = 0
+        self.offset = 0  # batches of this epoch passed over (a resumed epoch)
+        self._first_epoch = True
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = self.model
         setattr(model, _MODEL_ATTR, None)
-        if not self._backups:
-            return
+        self._first_epoch = True
         world = _world(model)
+        _make_checkpoint_folders(world, self._checkpoints)
+        if not self._partition_first:
+            return
         for backup in self._backups:
             _map_paths(backup)
             if world.rank != 0:
                 backup.delete_checkpoint = False  # rank 0 deletes, after everyone is done
         if model.rank_view is None:
-            model.partition(_sample(self._source))
+            model.partition(self._sample())
         if world.rank == 0:
             for backup in self._backups:
                 os.makedirs(backup.backup_dir, exist_ok=True)
@@ -127,19 +153,92 @@ class _Head(keras.callbacks.Callback):  # type: ignore[misc]
         world.barrier()
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self._epoch = epoch
+        self._epoch, self.offset = epoch, 0
+        if self._first_epoch:  # the tail callback (or tfsmp's backup) set where to resume
+            self._first_epoch = False
+            start_epoch, start_step = self.model.resume_position()
+            if start_step and start_epoch == epoch:
+                self.offset = start_step
+                self.model.skip_batches(start_step)
+                # the shortened epoch ends when the data does, which Keras warns of
+                warnings.filterwarnings("ignore", message=_RAN_OUT)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        position = {"epoch": self._epoch, "step": batch + 1}
+        position = {"epoch": self._epoch, "step": self.offset + batch + 1}
         setattr(self.model, _MODEL_ATTR, position)
         relaunch.publish_progress(position)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         setattr(self.model, _MODEL_ATTR, {"epoch": epoch + 1, "step": 0})
+        if self.offset:
+            kept = [f for f in warnings.filters if f[1] is None or f[1].pattern != _RAN_OUT]
+            warnings.filters[:] = kept  # type: ignore[index]
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        if self._backups:
+        if self._partition_first:
             _world(self.model).barrier()  # every rank's last backup is written before deletion
+
+
+_PLAIN_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+                "on_test_begin", "on_test_end", "on_predict_begin", "on_predict_end",
+                "on_test_batch_begin", "on_test_batch_end", "on_predict_batch_begin",
+                "on_predict_batch_end")
+
+
+class _Shifted(keras.callbacks.Callback):  # type: ignore[misc]
+    """The user's callbacks, in their order, with the batch index of a resumed epoch counted
+    from the epoch's beginning ([Note: exact resume]): Keras's loop counts the batches it runs,
+    from 0; a callback sees the batch's place in the epoch, as in an uninterrupted run."""
+
+    def __init__(self, inner: list[Any], head: _Head) -> None:
+        super().__init__()
+        self.inner = inner
+        self._head = head
+        for hook in _PLAIN_HOOKS:
+            setattr(self, hook, self._forward(hook))
+
+    def _forward(self, hook: str) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> None:
+            for c in self.inner:
+                getattr(c, hook)(*args, **kwargs)
+        return forward
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        for c in self.inner:
+            c.set_model(model)
+
+    def set_params(self, params: Any) -> None:
+        super().set_params(params)
+        for c in self.inner:
+            c.set_params(params)
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        for c in self.inner:
+            c.on_train_batch_begin(self._head.offset + batch, logs)
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        for c in self.inner:
+            c.on_train_batch_end(self._head.offset + batch, logs)
+
+
+def _has_tfsmp_backup(callbacks: list[Any]) -> bool:
+    from tfsmp.checkpoint.callbacks import BackupAndRestore
+
+    return any(isinstance(c, BackupAndRestore) for c in callbacks)
+
+
+def _make_checkpoint_folders(world: Any, checkpoints: list[Any]) -> None:
+    """Creates ModelCheckpoint folders on world rank 0 first: ranks racing Keras's makedirs
+    would otherwise fail on one rank while the others wait in the collective save."""
+    if not checkpoints:
+        return
+    if world.rank == 0:
+        for c in checkpoints:
+            folder = os.path.dirname(str(c.filepath))
+            if folder and "{" not in folder:
+                os.makedirs(folder, exist_ok=True)
+    world.barrier()
 
 
 class _Tail(keras.callbacks.Callback):  # type: ignore[misc]
@@ -150,7 +249,6 @@ class _Tail(keras.callbacks.Callback):  # type: ignore[misc]
         self._user = user
         self._backups = _keras_backups(user)
         self._listening = False
-        self._epoch = 0
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         # Listen only where a preemption can be honoured with a checkpoint, or a launcher will
@@ -164,12 +262,9 @@ class _Tail(keras.callbacks.Callback):  # type: ignore[misc]
         start = {"epoch": epoch, "step": step}
         relaunch.publish_progress(start)
 
-    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self._epoch = epoch
-
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self._listening and preemption.agreed(_world(self.model)):
-            _save_and_exit(self.model, self._user, self._epoch, batch)
+            _save_and_exit(self.model, self._user)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         if self._listening:
@@ -204,19 +299,6 @@ def _map_paths(backup: Any) -> None:
     backup._prev_training_metadata_path = backup._training_metadata_path + ".bkp"
 
 
-def _sample(source: Any) -> Any:
-    """A batch to partition with: the first batch of the data (arrays), or its element spec."""
-    if source.arrays:
-        x, _, _ = next(iter(source.epoch(0)))
-        return x
-    import tensorflow as tf
-
-    spec = source.adapter.get_tf_dataset().element_spec
-    x = spec[0] if isinstance(spec, tuple) else spec
-    return tf.nest.map_structure(
-        lambda s: keras.KerasTensor(tuple(s.shape), dtype=s.dtype.name), x)
-
-
 def _metadata(position: dict[str, int]) -> dict[str, int]:
     """Keras's training_metadata.json for a position (``batch``: the last batch done)."""
     return {"epoch": position["epoch"], "batch": max(position["step"] - 1, 0)}
@@ -241,16 +323,17 @@ def _resume_at(model: Any, backup: Any, position: dict[str, int]) -> None:
     backup._batches_seen_since_last_saving = 0
 
 
-def _save_and_exit(model: Any, callbacks: list[Any], epoch: int, batch: int) -> None:
+def _save_and_exit(model: Any, callbacks: list[Any]) -> None:
     """Every rank: writes the configured backups at the position just reached, then exits 75."""
     from tfsmp.checkpoint.callbacks import BackupAndRestore
     from tfsmp.checkpoint.manager import CheckpointManager
 
-    position = {"epoch": epoch, "step": batch + 1}
+    position = current_position(model) or {"epoch": 0, "step": 0}
     written: list[str] = []
     for c in callbacks:
         if isinstance(c, keras.callbacks.BackupAndRestore):
-            c._current_epoch, c._last_batch_seen = epoch, batch
+            c._current_epoch = position["epoch"]
+            c._last_batch_seen = max(position["step"] - 1, 0)
             c._save_model()
             written.append(c._weights_path)
         elif isinstance(c, BackupAndRestore):

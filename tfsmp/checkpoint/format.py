@@ -25,6 +25,7 @@ This module imports neither TensorFlow nor MPI.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -36,13 +37,15 @@ from typing import Any
 
 import numpy as np
 
+from tfsmp.checkpoint.checksum import CorruptFileError
 from tfsmp.errors import CheckpointError
 
 __all__ = [
     "FORMAT", "LATEST", "MANIFEST", "VERSION", "array_file", "atomic_write_text", "begin",
-    "checkpoint_number", "commit", "list_checkpoints", "prune", "read_array", "read_latest",
-    "read_manifest", "resolve", "safe_join", "verify_array", "write_array", "write_latest",
-    "write_manifest", "write_smp_markers",
+    "checkpoint_number", "commit", "describe_os_error", "list_checkpoints", "prune",
+    "read_array", "read_latest", "read_manifest", "resolve", "safe_join",
+    "unusable_checkpoints", "verify_array", "write_array", "write_latest", "write_manifest",
+    "write_smp_markers",
 ]
 
 FORMAT = "tfsmp-checkpoint"
@@ -144,12 +147,17 @@ def write_array(ckpt_dir: str, relpath: str, value: Any, dtype: str | None = Non
     if name in _STORED_AS:
         array = array.view(_STORED_AS[name])
     path = os.path.join(ckpt_dir, relpath)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        digest = _Digest(f)
-        np.lib.format.write_array(digest, array, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            digest = _Digest(f)
+            np.lib.format.write_array(digest, array, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a failed write() names no file: say which one (describe_os_error)
+        if e.filename is None:
+            e.filename = path
+        raise
     _slow_save_pause()
     return {"file": relpath, "shape": [int(d) for d in array.shape], "dtype": name,
             "bytes": digest.size, "sha256": digest.sha.hexdigest()}
@@ -192,7 +200,7 @@ def _checked_path(ckpt_dir: str, key: str, entry: Any) -> str:
             f"variable '{key}' in {os.path.join(ckpt_dir, MANIFEST)}. Restore another checkpoint.")
     path = safe_join(ckpt_dir, entry["file"], key)
     if not os.path.isfile(path):
-        raise CheckpointError(
+        raise CorruptFileError(
             f"A checkpoint file is missing. Received: file '{path}' for variable '{key}' does "
             f"not exist. The checkpoint is incomplete: restore another one.")
     size, expected = os.path.getsize(path), entry.get("bytes")
@@ -205,12 +213,12 @@ def _check_digest(path: str, key: str, entry: dict[str, Any], found: tuple[int, 
     size, digest = found
     expected = entry.get("bytes")
     if isinstance(expected, int) and size != expected:
-        raise CheckpointError(
+        raise CorruptFileError(
             f"A checkpoint file has the wrong size (truncated?). Received: file '{path}' for "
             f"variable '{key}' has {size} bytes, the manifest says {expected}. Restore "
             f"another checkpoint.")
     if digest != entry["sha256"]:
-        raise CheckpointError(
+        raise CorruptFileError(
             f"A checkpoint file does not match its checksum (corrupted). Received: file "
             f"'{path}' for variable '{key}' has sha256 {digest[:16]}…, the manifest says "
             f"{str(entry['sha256'])[:16]}…. Restore another checkpoint.")
@@ -259,7 +267,7 @@ def _read_npy(f: Any, path: str, key: str, expected: list[int]
         while stream.read(1 << 16):  # trailing bytes (none in a valid file) still count
             pass
     except (ValueError, OSError, EOFError) as e:
-        raise CheckpointError(
+        raise CorruptFileError(
             f"A checkpoint file is not a readable .npy array. Received: file '{path}' for "
             f"variable '{key}': {e}. Restore another checkpoint.") from e
     return array, (reader.size, reader.sha.hexdigest())
@@ -277,6 +285,24 @@ def _typed(array: np.ndarray, path: str, key: str, entry: dict[str, Any]) -> np.
             f"'{path}' for variable '{key}' holds {tuple(array.shape)} {array.dtype}, the "
             f"manifest says {tuple(entry['shape'])} {name}. Restore another checkpoint.")
     return array
+
+
+def describe_os_error(error: OSError, where: str) -> str:
+    """What failed and where, for an ``OSError`` met while writing under ``where``: a full disk
+    says so (and how much is free), a permission problem says so; never one for the other."""
+    path = error.filename or where
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f"; {shutil.disk_usage(os.path.dirname(path) or '.').free} bytes free there"
+        except OSError:
+            free = ""
+        what = "disk quota exceeded" if error.errno == errno.EDQUOT else "no space left on device"
+        return (f"A checkpoint needs room on its file system. Received: {what} while writing "
+                f"'{path}'{free}. Fix: free space there, or save to another directory.")
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"A checkpoint directory must be writable. Received: {error.strerror} for "
+                f"'{path}'. Fix: check the directory and its permissions, or save elsewhere.")
+    return f"A checkpoint file could not be written or read. Received: {error} ('{path}')."
 
 
 # -- manifest --------------------------------------------------------------------------------
@@ -314,7 +340,7 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
         with open(path) as f:
             manifest = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(
+        raise CorruptFileError(
             f"A checkpoint manifest must be valid JSON. Received: '{path}' does not parse "
             f"({e}); it is truncated or corrupted. Restore another checkpoint.") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -355,18 +381,58 @@ def list_checkpoints(root: str, prefix: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
+def unusable_checkpoints(root: str, prefix: str) -> list[str]:
+    """Folders ``<root>/<prefix>-N`` without a manifest, oldest first. A save never leaves one
+    (it writes ``<prefix>-N.tmp`` and renames it only once complete, [Note: checkpoint layout]),
+    so such a folder was damaged or edited."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        n = checkpoint_number(name, prefix)
+        path = os.path.join(root, name)
+        if n is not None and os.path.isdir(path) and not os.path.isfile(
+                os.path.join(path, MANIFEST)):
+            found.append((n, path))
+    return [path for _, path in sorted(found)]
+
+
 def read_latest(root: str, prefix: str) -> str | None:
-    """The checkpoint ``latest`` names if it is complete, else the highest complete one."""
+    """The checkpoint ``latest`` names if it is complete, else the highest complete one.
+
+    Raises:
+        CorruptFileError: ``latest`` names a folder that lacks its manifest, or the newest
+            ``<prefix>-N`` folder does: a backup that looks present but cannot be used is
+            reported, never silently passed over for an older one or for none.
+    """
     pointer = os.path.join(root, LATEST)
+    complete = list_checkpoints(root, prefix)
+    bad = unusable_checkpoints(root, prefix)
+    named = None
     if os.path.isfile(pointer):
         with open(pointer) as f:
-            name = f.read().strip()
-        path = os.path.join(root, name)
-        if (checkpoint_number(name, prefix) is not None
-                and os.path.isfile(os.path.join(path, MANIFEST))):
-            return path
-    complete = list_checkpoints(root, prefix)
+            named = os.path.join(root, f.read().strip())
+    newest_bad = bad[-1] if bad else None
+    if named in bad or (newest_bad is not None and (
+            not complete or _number(newest_bad, prefix) > _number(complete[-1], prefix))):
+        _unusable(root, named if named in bad else newest_bad, complete)
+    if named is not None and named in complete:
+        return named
     return complete[-1] if complete else None
+
+
+def _number(path: str, prefix: str) -> int:
+    return checkpoint_number(os.path.basename(path), prefix) or 0
+
+
+def _unusable(root: str, path: str | None, complete: list[str]) -> None:
+    older = (f"restore the previous one by name ({os.path.basename(complete[-1])!r}) or remove "
+             f"'{path}' to resume from it" if complete else f"remove '{path}' (or all of "
+             f"'{root}') to start over")
+    raise CorruptFileError(
+        f"A checkpoint folder must hold its {MANIFEST}. Received: '{path}' has none, so the "
+        f"backup there cannot be used (a save in progress writes a '.tmp' folder instead: this "
+        f"one was damaged or edited). Fix: {older}.")
 
 
 def write_latest(root: str, name: str) -> None:

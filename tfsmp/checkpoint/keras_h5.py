@@ -37,6 +37,7 @@ import keras
 import numpy as np
 from keras.src.saving import saving_lib
 
+from tfsmp.checkpoint import checksum
 from tfsmp.errors import CheckpointError
 
 __all__ = ["Entry", "H5Layout", "WeightsWriter", "model_config", "model_from_config",
@@ -187,7 +188,8 @@ def open_weights(filepath: str) -> Iterator[h5py.File]:
     compressed member is read into memory.
 
     Raises:
-        CheckpointError: the file is missing or not a Keras weights file.
+        CheckpointError: the file is missing.
+        CorruptFileError: it cannot be opened as a Keras weights file (an OSError too).
     """
     if not os.path.isfile(filepath):
         raise CheckpointError(
@@ -206,10 +208,11 @@ def open_weights(filepath: str) -> Iterator[h5py.File]:
             h5 = h5py.File(handle, "r")
         else:
             h5 = h5py.File(filepath, "r")
-    except (OSError, zipfile.BadZipFile) as e:
-        raise CheckpointError(
+    except (OSError, zipfile.BadZipFile) as e:  # an OSError still: Keras's fallbacks catch it
+        raise checksum.CorruptFileError(
             f"The weights file must be a Keras .weights.h5 or .keras file. Received: "
-            f"{filepath!r} cannot be read ({e}); it is truncated or of another format.") from e
+            f"{filepath!r} cannot be read ({e}); it is damaged, truncated or of another format: "
+            f"restore an earlier copy.") from e
     try:
         yield h5
     finally:
@@ -227,15 +230,21 @@ def read_entry(h5: h5py.File, entry: Entry, filepath: str) -> np.ndarray:
 
     Raises:
         CheckpointError: the dataset is missing or unsafe.
+        CorruptFileError: it cannot be read, or fails its checksum (an OSError too).
     """
     try:
         group = saving_lib.safe_get_h5_group(h5, entry.group)
         dataset = saving_lib.safe_get_h5_dataset(group, entry.key)
-        value = np.asarray(dataset)
-    except (KeyError, ValueError, OSError) as e:
+    except (KeyError, ValueError) as e:
         raise CheckpointError(
             f"The weights file must hold dataset '{entry.dataset}'. Received: {filepath!r}: "
             f"{e}.") from e
+    try:  # HDF5 checks the fletcher32 filter here ([Note: verified files] in checksum.py)
+        value = np.asarray(dataset)
+    except OSError as e:
+        raise checksum.corrupt(filepath, f"dataset '{entry.dataset}'", f"cannot be read ({e})"
+                               ) from e
+    checksum.verify(dataset, value, filepath)
     if dataset.attrs.get("dtype") == "bfloat16":
         import ml_dtypes
 
@@ -264,12 +273,13 @@ class WeightsWriter:
                 node.attrs[k] = v
 
     def put(self, entry: Entry, value: Any) -> None:
+        """Writes one dataset with its checksums ([Note: verified files] in checksum.py)."""
         node = self.h5.require_group(entry.group)
         array = np.asarray(value)
+        dataset = node.create_dataset(entry.key, data=array, **checksum.dataset_options(array))
         if keras.backend.standardize_dtype(array.dtype) == "bfloat16":
-            node.create_dataset(entry.key, data=array).attrs["dtype"] = "bfloat16"
-        else:
-            node[entry.key] = array
+            dataset.attrs["dtype"] = "bfloat16"
+        checksum.stamp(dataset, array)
 
     def close(self) -> None:
         self.h5.close()
@@ -281,9 +291,16 @@ class WeightsWriter:
         self.close()
 
 
-def write_keras_archive(path: str, model: keras.Model, weights_file: str) -> None:
-    """Writes a ``.keras`` zip (metadata, config, weights) exactly as Keras lays it out."""
+def write_keras_archive(path: str, model: keras.Model, weights_file: str,
+                        compile_config: dict[str, Any] | None = None) -> None:
+    """Writes a ``.keras`` zip (metadata, config, weights) exactly as Keras lays it out; with
+    ``compile_config`` (a compiled `DistributedModel`'s, the wrapped model being uncompiled)
+    in the config, as Keras writes a compiled model's, so ``load_model`` compiles it."""
     config_json, metadata_json = saving_lib._serialize_model_as_json(model)
+    if compile_config is not None:
+        config = json.loads(config_json)
+        config["compile_config"] = compile_config
+        config_json = json.dumps(config)
     with zipfile.ZipFile(path, "w") as zf:  # stored, not deflated: as keras writes it
         zf.writestr(METADATA_NAME, metadata_json)
         zf.writestr(CONFIG_NAME, config_json)

@@ -26,6 +26,7 @@ import keras
 
 from tfsmp.checkpoint import format as fmt
 from tfsmp.checkpoint import store
+from tfsmp.checkpoint.checksum import CorruptFileError
 from tfsmp.comm import collective_label
 from tfsmp.errors import CheckpointError
 
@@ -180,6 +181,8 @@ class CheckpointManager:
         """
         try:
             path = fmt.resolve(self._directory, self._name, restore_prefix)
+        except CorruptFileError:  # a backup that looks present but cannot be used: reported
+            raise
         except CheckpointError:
             if _exists_as_something(self._directory, restore_prefix):
                 raise

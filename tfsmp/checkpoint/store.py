@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 
+from tfsmp.checkpoint import checksum
 from tfsmp.checkpoint import format as fmt
 from tfsmp.checkpoint.layout import optimizer_state
 from tfsmp.errors import CheckpointError
@@ -62,6 +63,7 @@ def _dtype(v: Any) -> str:
 def _agree(world: Any, errors: list[str]) -> None:
     """Raises the same CheckpointError on every rank if any rank reported an error."""
     everyone = [e for part in world.allgather_obj(errors) for e in part]
+    checksum.raise_gathered(everyone)  # a damaged file: CorruptFileError, an OSError too
     if everyone:
         more = f" (and {len(everyone) - 1} more problems)" if len(everyone) > 1 else ""
         raise CheckpointError(everyone[0] + more)
@@ -71,10 +73,9 @@ def _try(errors: list[str], fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except CheckpointError as e:
-        errors.append(str(e))
+        errors.append(checksum.gatherable(e))
     except OSError as e:
-        errors.append(f"A checkpoint file could not be accessed. Received: {e}. Check the "
-                      f"directory and its permissions.")
+        errors.append(fmt.describe_os_error(e, "the checkpoint directory"))
     except Exception as e:  # any failure must reach every rank, or the others wait forever
         errors.append(f"{type(e).__name__}: {e}")
     return None
@@ -218,8 +219,7 @@ def _prepare(world: Any, root: str, name: str) -> str:
                 f.write(token)
             made = (tmp, token)
         except OSError as e:
-            made = (f"The checkpoint directory must be writable. Received: {root!r} ({e}). "
-                    f"Pass a writable directory=.")
+            made = fmt.describe_os_error(e, root)
     else:
         made = ""
     made = world.bcast_obj(made, root=0)
@@ -315,11 +315,12 @@ def _read_manifest_everywhere(world: Any, path: str) -> dict[str, Any]:
         try:
             got = fmt.read_manifest(path)
         except CheckpointError as e:
-            got = "ERROR:" + str(e)
+            got = "ERROR:" + checksum.gatherable(e)
     else:
         got = None
     got = world.bcast_obj(got, root=0)
     if isinstance(got, str):
+        checksum.raise_gathered([got[len("ERROR:"):]])
         raise CheckpointError(got[len("ERROR:"):])
     return dict(got)
 

@@ -75,8 +75,9 @@ from typing import Any, NoReturn
 
 from tfsmp import failure, relaunch
 from tfsmp.comm.calls import GROUP_NAMES, Call, collective_label, describe, explain
-from tfsmp.errors import StepError
+from tfsmp.errors import ConfigError, StepError
 from tfsmp.failure import DIR_ENV, default_directory
+from tfsmp.tempdirs import private_dir
 
 __all__ = ["DIR_ENV", "Status", "Watchdog", "collective_label", "default_directory",
            "for_process", "watched"]
@@ -186,17 +187,17 @@ class Watchdog:
             return
         path = os.path.join(self.directory, f"rank{self.rank}.status")
         for _ in range(3):  # a peer exiting may remove the directory between the two calls
-            try:
-                os.makedirs(self.directory, exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:  # [Note: private temp folders] in tfsmp/tempdirs.py: 0700, ours, no symlink
+                private_dir(self.directory)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
                 os.ftruncate(fd, _SIZE)
                 self._map = mmap.mmap(fd, _SIZE)
                 self._file, self.path = fd, path
                 return
             except FileNotFoundError:
                 continue
-            except OSError:  # the report then covers this rank only; never fail the training
-                break
+            except (OSError, ConfigError):  # the report then covers this rank only; never
+                break                           # fail the training
 
     def _write_header(self) -> None:
         _SEQ.pack_into(self._map, _SEQ_AT, 1)

@@ -97,6 +97,8 @@ def resolve_entry_point(entry_point: Any, source_dir: Any) -> tuple[str, str | N
 
 
 def output_root(output_path: str | None) -> str:
-    if output_path is None:
-        return os.path.join(tempfile.gettempdir(), "tfsmp-jobs")
+    if output_path is None:  # [Note: private temp folders] in tfsmp/tempdirs.py
+        from tfsmp.tempdirs import private_dir
+
+        return private_dir(os.path.join(tempfile.gettempdir(), "tfsmp-jobs"))
     return str(local_path(output_path, "output_path"))

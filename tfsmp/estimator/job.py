@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -27,6 +27,7 @@ from tfsmp.estimator.artifacts import (
 from tfsmp.estimator.failure_report import Failure, find_failure
 from tfsmp.estimator.layout import archive_dir, write_json
 from tfsmp.estimator.plan import JobPlan
+from tfsmp.launch import ownjob
 from tfsmp.launch import sagemaker as sm
 from tfsmp.launch.mpirun import launcher_never_started
 from tfsmp.launch.output import OutputFilter, tf_logs_wanted
@@ -61,6 +62,37 @@ class UnexpectedStatusException(ValueError):
         self.exit_code = exit_code
         self.job_dir = job_dir
         self.log_path = log_path
+
+
+class _StopSignal(BaseException):
+    """A SIGTERM or SIGHUP to the process that waits for a job (as KeyboardInterrupt for SIGINT)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals_raise() -> Iterator[None]:
+    """While a job is waited for in the main thread, SIGTERM and SIGHUP stop it, as Ctrl-C does:
+    the job runs in sessions of its own, so without this the signal would end this process and
+    leave every rank running ([Note: the launcher owns its job] in tfsmp/launch/ownjob.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: object) -> None:
+        raise _StopSignal(signum)
+
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) in (signal.SIG_DFL, None):
+            previous[signum] = signal.signal(signum, handle)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 @dataclass
@@ -181,10 +213,13 @@ class LocalTrainingJob:
         self.stop()
 
     def stop(self) -> None:
-        """Kills every process of the job (the SDK's `stop_training_job`)."""
+        """Kills every process of the job (the SDK's `stop_training_job`): each launched
+        command's whole session, since mpirun puts every rank in a process group of its own
+        ([Note: the launcher owns its job] in tfsmp/launch/ownjob.py)."""
         for proc in self._procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            ownjob.kill_session(proc.pid)
 
     def wait(self, logs: bool = True) -> None:
         """Waits for the job to end, then writes its artifacts.
@@ -197,18 +232,25 @@ class LocalTrainingJob:
                 error, as SageMaker's FailureReason does.
         """
         try:
-            for thread in self._threads:
-                while thread.is_alive():
-                    thread.join(0.2)
-        except KeyboardInterrupt:
+            with _stop_signals_raise():
+                for thread in self._threads:
+                    while thread.is_alive():
+                        thread.join(0.2)
+        except (KeyboardInterrupt, _StopSignal) as e:
             self.stop()
+            for proc in self._procs:
+                ownjob.sweep(proc.pid)
             self._finish("Stopped", "Stopped")
+            if isinstance(e, _StopSignal):
+                raise SystemExit(128 + e.signum) from None
             raise
         if self._timer is not None:
             self._timer.cancel()
         if self._log is not None:
             self._log.close()
         codes = [p.wait() for p in self._procs]
+        for proc in self._procs:  # what a job leaves behind does not outlive it
+            ownjob.sweep(proc.pid)
         self.returncode = next((c for c in codes if c != 0), 0)
         if self._relaunch() or self._retry():
             self.wait(logs)

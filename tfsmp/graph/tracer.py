@@ -566,6 +566,12 @@ class _Flattener:
                 counts[base] = n + 1
                 name = base if n == 0 else f"{base}_{n}"
             other = owners.get(name)
+            if other is not None and other[0] is not rc.op and rc.owner != other[1]:
+                # [Note: nested names] two models nested in one may each have a layer of the
+                # same name (keras_hub's CLIP: an 'embedding' in each encoder); the later one
+                # is keyed by its model's path, as Keras's variable paths are
+                name = f"{rc.owner}/{name}"
+                other = owners.get(name)
             if other is not None and other[0] is not rc.op:
                 raise TraceError(
                     f"Layer names must be unique across a model and the models nested in it. "

@@ -1,17 +1,17 @@
-"""Batches for `DistributedModel.fit`: the same global batches on every rank, each replica's share.
+"""Batches for `DistributedModel`: the same global batches on every rank, each replica's share.
 
-[Note: identical batches] Every pipeline rank of a replica must see the same batch, and the replicas must
-split one global batch between them. NumPy inputs are therefore batched here, shuffled with a
-seed every rank agrees on (broadcast from rank 0); a `tf.data.Dataset`, generator or
-`keras.utils.PyDataset` is iterated as given, so it must yield the same batches on every rank
-(seed its shuffle, as SMP's documentation also asks).
+[Note: identical batches] Every pipeline rank of a replica must see the same batch, and the
+replicas split one global batch between them (the engine takes each replica's rows). Keras's own
+data adapters batch and shuffle (tfsmp/keras/trainer_steps.py), on every rank alike: arrays with
+TensorFlow's global seed, which every rank shares (`agree_shuffle_seed`); a `tf.data.Dataset`,
+generator or `keras.utils.PyDataset` must yield the same batches on every rank (seed its
+shuffle, as SMP's documentation also asks).
 
 [Note: same batch on every rank] A stage reads only its part of a batch (the first stage the
 inputs, the last the targets), so ranks given different batches (an unseeded
 `np.random.permutation` in the script, `Dataset.shuffle` without a seed) train on inputs paired
 with another sample's labels, silently, and later hang when their batch counts differ. Ranks
-therefore compare a `batch_digest` of what the user gave them: `fit` of the first batch of
-every epoch (arrays; tfsmp batches them itself) or of every batch (datasets, piggy-backed on the
+therefore compare a `batch_digest` of every batch Keras's trainer hands them (piggy-backed on the
 per-step allgather of [Note: replicas run out together]); `smp.step` of every step's inputs, over
 the pipeline only (replicas legitimately see different data there). A digest is shapes, dtypes and
 a CRC-32 of the bytes (0.4 ms for a 256×28×28 float32 batch here); leaves above
@@ -20,9 +20,7 @@ a CRC-32 of the bytes (0.4 ms for a 256×28×28 float32 batch here); leaves abov
 
 from __future__ import annotations
 
-import warnings
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -31,143 +29,49 @@ import numpy as np
 from tfsmp.errors import StepError
 from tfsmp.runtime import microbatch as mbatch
 
-__all__ = ["BatchSource", "batch_digest", "capped_steps", "check_same_batch", "class_sample_weights",
-           "different_ranks", "same_batch_error", "split_validation"]
+__all__ = ["agree_shuffle_seed", "batch_digest", "check_same_batch", "different_ranks",
+           "same_batch_error", "sampler"]
 
 DIGEST_BYTES = 1 << 20  # per leaf; larger leaves hash evenly spaced rows (a bounded cost)
 
 
-def _is_array_like(x: Any) -> bool:
-    leaves = mbatch.leaves(x)
-    return bool(leaves) and all(isinstance(v, np.ndarray) or (hasattr(v, "__array__") and
-                                not hasattr(v, "element_spec")) for v in leaves)
+def agree_shuffle_seed(world: Any) -> None:
+    """[Note: identical batches] Keras's data adapters shuffle with TensorFlow's global seed
+    (``keras.utils.set_random_seed``, or the ``seed`` parameter, which sets it). Without one,
+    every rank would shuffle differently; then ranks agree on rank 0's random seed first, which
+    is as random as an unseeded plain-Keras run. A collective (every rank calls ``fit``)."""
+    import tensorflow as tf
+    from tensorflow.python.framework import random_seed
+
+    seeded = random_seed.get_seed(None)[0] is not None
+    if all(world.allgather_obj(seeded)):
+        return
+    entropy = int(np.random.SeedSequence().entropy or 0)  # type: ignore[arg-type]
+    tf.random.set_seed(world.bcast_obj(entropy % (2**31), root=0))
 
 
-class BatchSource:
-    """Yields ``(x, y, sample_weight)`` global batches, epoch after epoch."""
+def sampler(x: Any, batch_size: int | None) -> Any:
+    """A function that returns a batch (or its spec) to partition the model with before ``fit``'s
+    first step: the arrays' first rows, or a dataset's or generator's element spec through
+    Keras's own data adapter (called only when a callback needs the partitioned model at
+    ``on_train_begin``: [Note: Keras's BackupAndRestore] in tfsmp/checkpoint/fit_resume.py)."""
 
-    def __init__(self, x: Any, y: Any = None, sample_weight: Any = None, *, batch_size: int | None,
-                 shuffle: bool = False, seed: int = 0, steps_per_epoch: int | None = None,
-                 class_weight: dict[int, float] | None = None) -> None:
-        self.arrays = _is_array_like(x)
-        self.x, self.y, self.sample_weight = x, y, sample_weight
-        self.shuffle, self.seed = shuffle, seed
-        self.steps_per_epoch = steps_per_epoch
-        if self.arrays:
-            self.x, self.y, self.sample_weight = (_as_numpy(v) for v in (x, y, sample_weight))
-            if class_weight is not None:
-                self.sample_weight = class_sample_weights(self.y, self.sample_weight, class_weight)
-            self.num_samples = mbatch.batch_size_of(self.x)
-            self.batch_size = batch_size or 32
-            full, rest = divmod(self.num_samples, self.batch_size)
-            self.per_pass = full + (1 if rest else 0)  # a partial last batch trains too, as in Keras
-            self.num_batches: int | None = steps_per_epoch or self.per_pass
-            self._pass, self._position = 0, 0  # [Note: passes over arrays]
-        else:
-            if batch_size is not None and not isinstance(batch_size, int):
-                raise StepError(f"batch_size must be an int. Received: batch_size={batch_size!r}")
-            from keras.src.trainers.data_adapters import get_data_adapter
+    def sample() -> Any:
+        import tensorflow as tf
 
-            # Keras's adapters weigh classes (tf.data) or reject class_weight (generators)
-            self.adapter = get_data_adapter(x, y, sample_weight, batch_size=batch_size,
-                                            steps_per_epoch=steps_per_epoch, shuffle=False,
-                                            class_weight=class_weight)
-            self.num_batches = steps_per_epoch or self.adapter.num_batches
-        self._iterator: Iterator[Any] | None = None
+        leaves = mbatch.leaves(x)
+        if leaves and all(isinstance(v, np.ndarray) or (hasattr(v, "__array__") and not
+                          hasattr(v, "element_spec")) for v in leaves):
+            rows = batch_size or 32
+            return keras.tree.map_structure(lambda a: np.asarray(a)[:rows], x)
+        from keras.src.trainers.data_adapters import get_data_adapter
 
-    def epoch(self, epoch: int) -> Iterator[tuple[Any, Any, Any]]:
-        if self.arrays:
-            yield from self._array_epoch(epoch)
-            return
-        from keras.src.trainers.data_adapters import data_adapter_utils
+        spec = get_data_adapter(x, batch_size=batch_size).get_tf_dataset().element_spec
+        inputs = spec[0] if isinstance(spec, tuple) else spec
+        return tf.nest.map_structure(
+            lambda s: keras.KerasTensor(tuple(s.shape), dtype=s.dtype.name), inputs)
 
-        if self.steps_per_epoch is None or self._iterator is None:
-            self._iterator = iter(self.adapter.get_numpy_iterator())
-        for step, data in enumerate(self._iterator_forever()):
-            if self.num_batches is not None and step >= self.num_batches:
-                return
-            yield data_adapter_utils.unpack_x_y_sample_weight(data)
-
-    def _iterator_forever(self) -> Iterator[Any]:
-        while True:
-            if self._iterator is None:
-                return
-            try:
-                yield next(self._iterator)
-            except StopIteration:
-                if self.steps_per_epoch is None:
-                    return
-                self._iterator = iter(self.adapter.get_numpy_iterator())
-
-    def _array_epoch(self, epoch: int) -> Iterator[tuple[Any, Any, Any]]:
-        """[Note: passes over arrays] As Keras's `EpochIterator`: without ``steps_per_epoch``
-        an epoch is one pass over the arrays (shuffled anew); with it, an epoch takes that many
-        batches and the next epoch goes on where it stopped; a pass that runs out in the middle
-        of an epoch ends that epoch early (Keras warns "Your input ran out of data"), and the
-        next one starts a new pass."""
-        if self.steps_per_epoch is None:
-            self._pass, self._position = epoch, 0
-        n = self.num_samples
-        order = (np.random.default_rng([self.seed, self._pass]).permutation(n) if self.shuffle
-                 else np.arange(n))
-        for _ in range(self.num_batches or 0):
-            if self._position >= self.per_pass:
-                warnings.warn("Your input ran out of data; interrupting training. Make sure "
-                              "that your dataset or generator can generate at least "
-                              "`steps_per_epoch * epochs` batches.", stacklevel=2)
-                break
-            start = self._position * self.batch_size
-            self._position += 1
-            idx = order[start:start + self.batch_size]
-            yield tuple(None if v is None else _rows(v, idx)
-                        for v in (self.x, self.y, self.sample_weight))  # type: ignore[misc]
-        if self._position >= self.per_pass:
-            self._pass, self._position = self._pass + 1, 0
-
-
-def capped_steps(steps_per_epoch: int | None) -> int | None:
-    """Keras's ``keras.config.set_max_steps_per_epoch`` cap (for debugging runs). Measured on
-    Keras 3.15 (TF backend): it limits fit's training and validation steps, while a standalone
-    evaluate or predict still covers all the data; `DistributedModel` does the same."""
-    from keras import config
-
-    cap = config.max_steps_per_epoch()
-    if cap and (not steps_per_epoch or cap < steps_per_epoch):
-        return int(cap)
-    return steps_per_epoch
-
-
-def _as_numpy(v: Any) -> Any:
-    return keras.tree.map_structure(lambda a: None if a is None else np.asarray(a), v)
-
-
-def _rows(v: Any, idx: np.ndarray) -> Any:
-    return keras.tree.map_structure(lambda a: a[idx], v)
-
-
-def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float
-                     ) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
-    """Keras's ``validation_split``: the last fraction of the arrays, taken before any shuffle.
-
-    Raises:
-        ValueError: as Keras does, for datasets and generators, or too few samples to split.
-    """
-    from keras.src.trainers.data_adapters import array_slicing
-
-    train, val = array_slicing.train_validation_split((x, y, sample_weight),
-                                                      validation_split=validation_split)
-    return (train[0], train[1], train[2]), (val[0], val[1], val[2])
-
-
-def class_sample_weights(y: Any, sample_weight: Any, class_weight: dict[int, float]) -> Any:
-    """Keras's ``class_weight``: a sample weight per row from its class (argmax if one-hot)."""
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
-    if sample_weight is not None:  # Keras's wording, so scripts that catch it still do
-        raise ValueError("You cannot `class_weight` and `sample_weight` at the same time.")
-    if isinstance(y, (dict, list, tuple)):
-        raise ValueError("`class_weight` is only supported for Models with a single output.")
-    return data_adapter_utils.class_weight_to_sample_weights(y, class_weight)
+    return sample
 
 
 def _leaf_digest(leaf: Any) -> tuple[Any, ...]:

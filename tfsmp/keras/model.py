@@ -19,12 +19,16 @@ At first use the model is traced, planned into ``partitions × virtual_stages`` 
 rank 0, then broadcast so every rank runs the same plan), and each rank keeps only its own
 stages' variables: a model built inside `deferred_init()` allocates nothing until then; a built
 model releases the variables other ranks own.
+
+Training is Keras's own trainer: `fit`, `evaluate`, `predict` and the ``*_on_batch`` calls are
+`keras.Model`'s, and this class supplies only the step functions they call
+(`make_train_function` and its siblings: [Note: Keras's trainer drives] in
+tfsmp/keras/trainer_steps.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -32,24 +36,14 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend import get_keras_mask, set_keras_mask
 
 from tfsmp.errors import StepError
-from tfsmp.keras.data import (
-    BatchSource,
-    batch_digest,
-    capped_steps,
-    check_same_batch,
-    class_sample_weights,
-    different_ranks,
-    same_batch_error,
-    split_validation,
-)
-from tfsmp.keras.overrides import check_overrides
-from tfsmp.runtime import microbatch as mbatch
+from tfsmp.keras.data import agree_shuffle_seed, sampler
+from tfsmp.keras.overrides import check_overrides, check_trainable
 
 if TYPE_CHECKING:
     from tfsmp.core import State
+    from tfsmp.keras.trainer_steps import TrainerSteps
     from tfsmp.runtime.view import RankView
 
 __all__ = ["DistributedModel", "deferred_init", "register_post_partition_hook"]
@@ -92,9 +86,12 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             self.output_names = model.output_names
         self._engine: Any = None
         self._state: Any = None
-        self._metrics_fn: Any = None
-        self._loss_sum, self._loss_count = 0.0, 0
+        self._trainer_steps: TrainerSteps | None = None
+        # variable ids and trainable flags at partitioning: [Note: changing the model]
+        self._trained_set: tuple[tuple[int, ...], tuple[bool, ...]] | None = None
         self._profile_batch: Any = None
+        self._resume_skip = 0  # [Note: exact resume] in tfsmp/checkpoint/fit_resume.py
+        self._terminate_on_nan = False  # a fit with Keras's TerminateOnNaN: `nonfinite_mode`
         DistributedModel._live.append(weakref.ref(self))
 
     _live: list[weakref.ref[Any]] = []
@@ -206,10 +203,45 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         kwargs.setdefault("jit_compile", False)
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
                         metrics=metrics, weighted_metrics=weighted_metrics, **kwargs)
-        self._metrics_fn = None
-        if self._engine is not None:
+        self._trainer_steps = None  # Keras's compile dropped its step functions too
+        if self._engine is not None and not self._refresh_engine():
             self._engine.set_objective(getattr(self, "_compile_loss", None))
             self._engine.set_optimizer(self.optimizer)
+
+    # [Note: changing the model] Keras reads which variables train when it builds its train
+    # function, so freezing or unfreezing layers and compiling again trains the new set. The
+    # stage programs fix their trainable variables when built; so before a training step, a
+    # model whose trainable flags changed since partitioning gets new stage programs under the
+    # same plan (each rank keeps its variables and their values), with the compiled loss and
+    # optimizer. A model whose variables changed (enable_lora, quantize, layers added) would
+    # need a new plan, with variables other ranks hold: it is refused.
+
+    def _trainable_signature(self) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+        variables = self._all_variables()
+        return tuple(id(v) for v in variables), tuple(bool(v.trainable) for v in variables)
+
+    def _refresh_engine(self) -> bool:
+        """New stage programs if the trainable flags changed ([Note: changing the model]);
+        returns whether it made them."""
+        if self._engine is None:
+            return False
+        ids, flags = self._trainable_signature()
+        before = self._trained_set
+        if before is None or (ids, flags) == before:
+            return False
+        if ids != before[0]:
+            raise StepError(
+                f"{self._rank_tag()} A partitioned model's variables must stay those it was "
+                f"partitioned with. Received: {len(ids)} variables now, {len(before[0])} at "
+                f"partitioning (enable_lora, quantize or a layer change after the first step). "
+                f"Fix: make the change before the first step (or model.partition), or wrap the "
+                f"changed model in a new DistributedModel.")
+        from tfsmp.runtime.setup import rebuild_engine
+
+        self._engine = rebuild_engine(self._engine, getattr(self, "_compile_loss", None),
+                                      getattr(self, "optimizer", None))
+        self._trained_set = (ids, flags)
+        return True
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -266,6 +298,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             compile_loss=getattr(self, "_compile_loss", None),
             optimizer=getattr(self, "optimizer", None), rank_tag=self._rank_tag(),
             subclassed=self._wrapped is None, profile_batch=self._profile_batch)
+        self._trained_set = self._trainable_signature()
         import importlib.util
 
         if importlib.util.find_spec("tfsmp.checkpoint.export") is not None:
@@ -283,6 +316,10 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         their variables by checkpoint key, the writer of each key, the groups
         (tfsmp/runtime/view.py)."""
         return None if self._engine is None else self._engine.view
+
+    def rank_view_or_raise(self) -> RankView:
+        """The view, once partitioned; a clear error before."""
+        return self._view()
 
     def _view(self) -> RankView:
         """The view, once partitioned (every caller runs after partitioning)."""
@@ -303,7 +340,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         """Traces and partitions now (otherwise done at first use); returns the plan."""
         return self.engine_for(sample_x).view.plan
 
-    # -- training ------------------------------------------------------------------------------
+    # -- training: Keras's own trainer, tfsmp's step ([Note: Keras's trainer drives]) ----------
 
     def _check_compiled(self) -> None:
         if getattr(self, "_compile_loss", None) is None or getattr(self, "optimizer", None) is None:
@@ -311,306 +348,138 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
                 "fit needs a loss and an optimizer. Received: the model was not compiled with a "
                 "loss. Call model.compile(optimizer=..., loss=...) first.")
 
-    def _agree(self, value: Any) -> Any:
-        """Rank 0's value of ``value`` on every rank."""
-        return self._state.comm.world.bcast_obj(value, root=0)
+    def _steps(self, entry: str, *, train: bool = False, loss: bool = False) -> TrainerSteps:
+        """The step functions Keras's trainer calls, after the checks every entry point makes
+        before any work: compiled (``loss``), no override tfsmp cannot run, the model unchanged
+        since partitioning ([Note: changing the model])."""
+        from tfsmp.keras.trainer_steps import TrainerSteps
 
-    def train_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
-                       class_weight: Any = None, return_dict: bool = False) -> Any:
-        """One optimizer step on one global batch; returns that batch's loss (as Keras does)."""
-        self._check_compiled()
         self._state = self._runtime_state()
-        check_overrides(self, "train_on_batch", rank_tag=self._rank_tag())
-        if class_weight is not None:
-            sample_weight = class_sample_weights(y, sample_weight, class_weight)
-        engine = self.engine_for(x)
-        self._reset_metrics()
-        logs = self._train_batch(engine, x, y, sample_weight)
-        return logs if return_dict else self._flatten_metrics_in_order(logs)  # as Keras orders
+        if loss:
+            self._check_compiled()
+        check_overrides(self, entry, rank_tag=self._rank_tag())
+        if train:
+            config, data = self._state.config, self._state.comm.data.size
+            check_trainable(self, pipeline_ranks=config.partitions,
+                            parts=config.microbatches * data, rank_tag=self._rank_tag())
+            self._refresh_engine()
+        if self._trainer_steps is None:
+            self._trainer_steps = TrainerSteps(self)
+        return self._trainer_steps
 
-    def test_on_batch(self, x: Any, y: Any = None, sample_weight: Any = None,
-                      return_dict: bool = False) -> Any:
-        """Keras's ``test_on_batch``, pipelined: the batch's loss and metrics on every rank."""
-        self._check_compiled()
-        self._state = self._runtime_state()
-        check_overrides(self, "test_on_batch", rank_tag=self._rank_tag())
-        engine = self.engine_for(x)
-        self._reset_metrics()
-        logs = self._step_logs(engine.view, engine.evaluate(x, y, sample_weight),
-                               mbatch.batch_size_of(x))
-        return logs if return_dict else self._flatten_metrics_in_order(logs)
+    def make_train_function(self, force: bool = False) -> Any:
+        return self._install("train_function", force,
+                             lambda: self._steps("fit", train=True, loss=True).train)
 
-    def predict_on_batch(self, x: Any) -> Any:
-        """Keras's ``predict_on_batch``, pipelined: the outputs on every rank."""
-        self._state = self._runtime_state()
-        check_overrides(self, "predict_on_batch", rank_tag=self._rank_tag())
-        flat = self._forward_batch(x)
-        return self._view().traced.pack_outputs(flat)
+    def make_test_function(self, force: bool = False) -> Any:
+        return self._install("test_function", force,
+                             lambda: self._steps("evaluate", loss=True).test)
 
-    def _train_batch(self, engine: Any, x: Any, y: Any, sw: Any) -> dict[str, float]:
-        if y is None:  # every rank sees the same batch, so every rank raises, before any message
-            raise StepError(
-                f"{self._rank_tag()} The loss needs targets. Received: y=None. Pass y to fit(), "
-                f"or yield (x, y) pairs from the dataset.")
-        result = engine.train_step(x, y, sw)  # the global batch: [Note: one owner of the step]
-        return self._step_logs(engine.view, result, mbatch.batch_size_of(x))
+    def make_predict_function(self, force: bool = False) -> Any:
+        return self._install("predict_function", force, lambda: self._steps("predict").predict)
 
-    def _step_logs(self, view: RankView, result: Any, global_batch: int) -> dict[str, float]:
-        """Keras's logs after a batch: the mean loss so far (weighted by batch size), each
-        output's loss and the compiled metrics, the same on every rank."""
-        self._loss_sum += result.loss * global_batch
-        self._loss_count += global_batch
-        self._update_loss_metrics(result, global_batch)
-        logs: dict[str, float] | None = None
-        if view.is_last_rank:
-            self._update_metrics(view, result)
-            logs = self._metric_results(view)
-        out: dict[str, float] = view.groups.pipeline.bcast_obj(logs, root=view.last_rank)
-        return {"loss": self._loss_sum / max(self._loss_count, 1), **out}
+    def _install(self, name: str, force: bool, make: Callable[[], Any]) -> Any:
+        """Keras's ``make_*_function`` contract: the function Keras keeps in ``name``, made
+        once (after each compile) unless ``force``."""
+        current = getattr(self, name, None)
+        if current is not None and not force:
+            return current
+        function = make()
+        setattr(self, name, function)
+        return function
 
-    def _update_loss_metrics(self, result: Any, rows: int) -> None:
-        """Keras keeps a Mean of each output's unweighted loss when there are several
-        (`CompileLoss.metrics`); they get the batch's values, as in one process."""
-        compile_loss = getattr(self, "_compile_loss", None)
-        metrics = list(compile_loss.metrics) if compile_loss is not None else []
-        for metric, value in zip(metrics, result.term_values):
-            metric.update_state(value, sample_weight=rows)
-
-    def _update_metrics(self, view: RankView, result: Any) -> None:
-        """The compiled metrics, per microbatch of this replica, from the outputs (with their
-        Keras masks) of the step that just ran on the last stage."""
-        metrics = getattr(self, "_compile_metrics", None)
-        if metrics is None:
-            return
-        for i in sorted(result.outputs):
-            mb = result.microbatches[i]
-            if mb.y is None:
-                continue
-            outputs = result.outputs[i]
-            masks = [get_keras_mask(t) for t in outputs]
-            if self._metrics_fn is None:
-                metrics.update_state(mb.y, view.traced.pack_outputs(outputs), mb.sample_weight)
-                self._metrics_fn = tf.function(self._metrics_update)  # eager first call built them
-            else:
-                self._metrics_fn(mb.y, outputs, masks, mb.sample_weight)
-
-    def _metrics_update(self, y: Any, outputs: list[Any], masks: list[Any], sw: Any) -> None:
-        for t, m in zip(outputs, masks):
-            if m is not None:
-                set_keras_mask(t, m)  # a compiled function's arguments carry no Keras mask
-        self._compile_metrics.update_state(y, self._view().traced.pack_outputs(outputs), sw)
-
-    def _logged_metrics(self) -> list[Any]:
-        """What Keras logs besides "loss": the compiled metrics, then each output's loss (Keras
-        keeps a Mean of each output's unweighted loss when there are several; every rank
-        updates those with the batch's values, so no replica sum is needed for them)."""
-        out = []
-        metrics = getattr(self, "_compile_metrics", None)
-        if metrics is not None and metrics.built:
-            out.append(metrics)
-        compile_loss = getattr(self, "_compile_loss", None)
-        if compile_loss is not None:
-            out.extend(compile_loss.metrics)
-        return out
-
-    def _metric_results(self, view: RankView) -> dict[str, float]:
-        metrics = self._logged_metrics()
-        compiled = getattr(self, "_compile_metrics", None)
-        # the compiled metrics saw this replica's rows only; each output's loss, the batch's
-        variables = list(compiled.variables) if compiled is not None and compiled.built else []
-        saved = None
-        if view.data_size > 1:  # sum metric states over replicas, read, then restore local ones
-            saved = [v.numpy() for v in variables]
-            for v in variables:
-                buf = np.array(v.numpy(), dtype=np.float64)
-                view.groups.data.allreduce_(buf)
-                v.assign(buf.astype(v.dtype))
-        out: dict[str, float] = {}
-        for m in metrics:
-            result = m.result()
-            if isinstance(result, dict):
-                out.update({k: float(np.asarray(v)) for k, v in result.items()})
-            else:
-                out[m.name] = float(np.asarray(result))
-        if saved is not None:
-            for v, s in zip(variables, saved):
-                v.assign(s)
-        return out
-
-    def _reset_metrics(self) -> None:
-        self._loss_sum, self._loss_count = 0.0, 0
-        for m in self._logged_metrics():
-            m.reset_state()
+    def _rank_verbose(self, verbose: Any) -> Any:
+        """Keras's progress bar on world rank 0 only (every rank runs Keras's loop)."""
+        return verbose if self.runtime_state().rank == 0 else 0
 
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
-            verbose: Any = "auto", callbacks: list[Any] | None = None,
-            validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
-            class_weight: dict[int, float] | None = None, sample_weight: Any = None,
-            initial_epoch: int = 0, steps_per_epoch: int | None = None,
-            validation_steps: int | None = None, validation_batch_size: int | None = None,
-            validation_freq: int = 1, **kwargs: Any) -> keras.callbacks.History:
-        """Keras `fit`, pipelined. ``batch_size`` is the global batch (split over replicas)."""
-        _reject(kwargs, (), "fit")
+            verbose: Any = "auto", callbacks: Any = None, **kwargs: Any) -> Any:
+        """Keras's `fit`, unchanged ([Note: Keras's trainer drives]); ``batch_size`` is the
+        global batch (split over replicas). tfsmp adds its fault-tolerance callbacks around the
+        user's ([Note: Keras's BackupAndRestore] in tfsmp/checkpoint/fit_resume.py)."""
+        from tfsmp.checkpoint import fit_resume
+        from tfsmp.keras.trainer_steps import agree_finished
+
+        self._state = self._runtime_state()
         self._check_compiled()
-        self._state = self._runtime_state()
         check_overrides(self, "fit", rank_tag=self._rank_tag())
-        epochs = min(epochs, keras.config.max_epochs() or epochs)  # Keras's debugging caps
-        steps_per_epoch, validation_steps = map(capped_steps, (steps_per_epoch, validation_steps))
-        if validation_split and validation_data is None:  # the arrays' tail, before shuffling
-            (x, y, sample_weight), validation_data = split_validation(
-                x, y, sample_weight, validation_split)
-        entropy = int(np.random.SeedSequence().entropy or 0)  # type: ignore[arg-type]
-        seed = self._agree(entropy % (2**31) if self._state.config.seed is None
-                           else self._state.config.seed)
-        source = BatchSource(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-                             seed=seed, steps_per_epoch=steps_per_epoch, class_weight=class_weight)
-        verbose = 1 if verbose == "auto" else verbose
-        from tfsmp.checkpoint import fit_resume  # BackupAndRestore at the exact step, preemption
-
-        cb = keras.callbacks.CallbackList(
-            fit_resume.fit_callbacks(self, source, callbacks), add_history=True,
-            add_progbar=bool(verbose) and self._state.rank == 0,
-            model=self, verbose=verbose, epochs=epochs, steps=source.num_batches)
-        self.stop_training = False
-        self._prepare_checkpoint_dirs(cb)
-        cb.on_train_begin()
-        # tfsmp.checkpoint.BackupAndRestore sets where an interrupted fit stopped (as Keras's does)
-        initial_epoch = getattr(self, "_initial_epoch", None) or initial_epoch
-        skip = getattr(self, "_initial_step", 0) or 0
-        self.resume_at(None, 0)
-        logs: dict[str, float] = {}
-        for epoch in range(initial_epoch, epochs):
-            self._reset_metrics()
-            cb.on_epoch_begin(epoch)
-            for step, (xb, yb, wb) in enumerate(self._agreed(source, epoch)):
-                if epoch == initial_epoch and step < skip:
-                    continue
-                cb.on_train_batch_begin(step)
-                engine = self.engine_for(xb)
-                logs = self._train_batch(engine, xb, yb, wb)
-                cb.on_train_batch_end(step, logs)
-                if self.stop_training:
-                    break
-            epoch_logs = dict(logs)
-            if validation_data is not None and (epoch + 1) % validation_freq == 0:
-                vx, vy, vw = _unpack(validation_data)
-                val = self.evaluate(vx, vy, sample_weight=vw, verbose=0, return_dict=True,
-                                    batch_size=validation_batch_size or batch_size,
-                                    steps=validation_steps)
-                epoch_logs.update({f"val_{k}": v for k, v in val.items()})
-            cb.on_epoch_end(epoch, epoch_logs)
-            if self.stop_training:
-                break
-        if self._engine is not None:
-            self._engine.finalize()  # as Keras's fit ends: EMA weights swapped in (use_ema)
-        cb.on_train_end(logs)
-        return self.history
-
-    def _prepare_checkpoint_dirs(self, cb: Any) -> None:
-        """Creates ModelCheckpoint folders on rank 0 first: ranks racing Keras's makedirs would
-        otherwise fail on one rank while the others wait in the collective save."""
-        import os
-
-        if self._state.rank == 0:
-            for c in cb.callbacks:
-                if isinstance(c, keras.callbacks.ModelCheckpoint):
-                    folder = os.path.dirname(str(c.filepath))
-                    if folder and "{" not in folder:
-                        os.makedirs(folder, exist_ok=True)
-        self._state.comm.world.barrier()
-
-    def _agreed(self, source: BatchSource, epoch: int) -> Iterator[tuple[Any, Any, Any]]:
-        """``source``'s batches while every rank has one. [Note: replicas run out together]
-        A dataset or generator is iterated on every rank; if one rank runs out first, its
-        peers would wait for it in the next step forever. Each step all ranks first agree
-        (one small allgather) that all have a batch, before any message of the step; the same
-        message carries the batch's digest. [Note: same batch on every rank]"""
-        batches = source.epoch(epoch)
-        world = self._state.comm.world
-        if source.arrays:  # tfsmp batches arrays itself: the same count on every rank
-            for step, rows in enumerate(batches):
-                if step == 0:  # the sample count and the first batch of the epoch
-                    check_same_batch(world, (source.num_samples, rows), rank_tag=self._rank_tag(),
-                                     where=f"in the first batch of epoch {epoch}")
-                yield rows
-            return
-        topo = self._state.topology
-        for step in itertools.count():
-            batch = next(batches, None)
-            got = world.allgather_obj((batch is not None,
-                                       None if batch is None else batch_digest(batch)))
-            have = [h for h, _ in got]
-            if all(have):
-                digests = [d for _, d in got]
-                if different_ranks(digests, list(world.ranks)):
-                    raise same_batch_error(self._rank_tag(), digests, list(world.ranks),
-                                           f"at step {step} of epoch {epoch}")
-                yield batch  # type: ignore[misc]
-                continue
-            if any(have):
-                short = [r for r, h in enumerate(have) if not h]
-                replicas = sorted({topo.data_rank_of(r) for r in short})
-                raise StepError(
-                    f"{self._rank_tag()} Every rank's dataset must yield the same number of "
-                    f"batches. Received: rank(s) {short} (data replica(s) {replicas}) ran out "
-                    f"of data at step {step} of epoch {epoch} while the others had a batch. "
-                    f"Give every rank the same dataset (seeded alike), or pass "
-                    f"steps_per_epoch= no larger than the shortest one.")
-            return
-
-    # -- inference -----------------------------------------------------------------------------
-
-    def _forward_batch(self, x: Any) -> Any:
-        """Pipelined forward of a global batch; returns merged outputs on every rank."""
-        engine = self.engine_for(x)
-        _, result = engine.forward(x)
-        return self._gather_outputs(engine.view, result)
-
-    def _gather_outputs(self, view: RankView, result: Any) -> Any:
-        """The outputs of every replica's rows, in batch order, on every rank."""
-        flat = None
-        if view.is_last_rank:
-            parts = [[np.asarray(t) for t in result.outputs[i]] for i in sorted(result.outputs)]
-            flat = ([np.concatenate([p[j] for p in parts]) for j in range(len(parts[0]))]
-                    if parts else None)
-            if view.data_size > 1:
-                gathered = [g for g in view.groups.data.allgather_obj(flat) if g is not None]
-                flat = [np.concatenate([g[j] for g in gathered]) for j in range(len(gathered[0]))]
-        return view.groups.pipeline.bcast_obj(flat, root=view.last_rank)
-
-    def _pipelined_call(self, inputs: Any) -> Any:
-        flat = self._forward_batch(tf.nest.map_structure(np.asarray, inputs))
-        return self._view().traced.pack_outputs([tf.convert_to_tensor(v) for v in flat])
-
-    def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
-                steps: int | None = None, callbacks: Any = None) -> Any:
-        """Pipelined predict; the outputs are returned on every rank."""
-        self._state = self._runtime_state()
-        check_overrides(self, "predict", rank_tag=self._rank_tag())
-        source = BatchSource(x, None, None, batch_size=batch_size, steps_per_epoch=steps)
-        chunks = [self._forward_batch(xb) for xb, _, _ in source.epoch(0)]
-        traced = self._view().traced
-        flat = [np.concatenate([c[j] for c in chunks]) for j in range(len(chunks[0]))]
-        return traced.pack_outputs(flat)
+        agree_shuffle_seed(self._state.comm.world)
+        wrapped = fit_resume.fit_callbacks(self, sampler(x, batch_size), callbacks)
+        self._terminate_on_nan = any(isinstance(c, keras.callbacks.TerminateOnNaN)
+                                     for c in fit_resume.user_callbacks(callbacks))
+        try:
+            history = super().fit(x, y, batch_size, epochs, self._rank_verbose(verbose),
+                                  wrapped, **kwargs)
+        finally:
+            self.resume_at(None, 0)
+            self._terminate_on_nan = False
+        agree_finished(self, "fit")
+        return history
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
                  verbose: Any = "auto", sample_weight: Any = None, steps: int | None = None,
                  callbacks: Any = None, return_dict: bool = False, **kwargs: Any) -> Any:
-        """Pipelined evaluate: the loss Keras's test step computes (compiled loss, layer losses,
-        weight regularizers) and the compiled metrics over the data, on every rank."""
-        self._check_compiled()
-        self._state = self._runtime_state()
-        check_overrides(self, "evaluate", rank_tag=self._rank_tag())
-        source = BatchSource(x, y, sample_weight, batch_size=batch_size, steps_per_epoch=steps)
-        self._reset_metrics()
-        logs: dict[str, float] = {}
-        for xb, yb, wb in self._agreed(source, 0):
-            engine = self.engine_for(xb)
-            result = engine.evaluate(xb, yb, wb)
-            logs = self._step_logs(engine.view, result, mbatch.batch_size_of(xb))
-        if return_dict:
-            return logs
-        return self._flatten_metrics_in_order(logs)  # Keras's order: loss, output losses, ...
+        """Keras's `evaluate`, unchanged: the logs on every rank."""
+        from tfsmp.keras.trainer_steps import agree_finished
+
+        inside_fit = bool(kwargs.get("_use_cached_eval_dataset"))
+        logs = super().evaluate(x, y, batch_size, self._rank_verbose(verbose), sample_weight,
+                                steps, callbacks, return_dict, **kwargs)
+        if not inside_fit:
+            agree_finished(self, "evaluate")
+        return logs
+
+    def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
+                steps: int | None = None, callbacks: Any = None) -> Any:
+        """Keras's `predict`, unchanged: the outputs on every rank."""
+        from tfsmp.keras.trainer_steps import agree_finished
+
+        out = super().predict(x, batch_size, self._rank_verbose(verbose), steps, callbacks)
+        agree_finished(self, "predict")
+        return out
+
+    # -- what the step functions read (methods: Keras's savers walk properties) ---------------
+
+    def loss_tracker(self) -> Any:
+        """Keras's tracker of the mean loss (``model.metrics[0]``)."""
+        return self._loss_tracker
+
+    def compiled_loss_metrics(self) -> list[Any]:
+        """Keras's Mean of each output's loss, when the model has several outputs."""
+        compile_loss = getattr(self, "_compile_loss", None)
+        return list(compile_loss.metrics) if compile_loss is not None else []
+
+    def compiled_metrics_object(self) -> Any:
+        """Keras's `CompileMetrics` of the compiled metrics (None: none compiled)."""
+        return getattr(self, "_compile_metrics", None)
+
+    def nonfinite_mode(self) -> str:
+        """What a training step does with a non-finite loss or gradient: the ``nonfinite``
+        parameter, or, during a ``fit`` with Keras's ``TerminateOnNaN``, "skip": the step
+        reports the loss (NaN) without applying the update and the callback stops training,
+        where plain Keras would also have applied the non-finite update."""
+        if self._terminate_on_nan:
+            return "skip"
+        return str(self.runtime_state().config.nonfinite)
+
+    def take_resume_skip(self) -> int:
+        """Batches of the current epoch that an interrupted run had trained on, once: the
+        step functions pass over them ([Note: exact resume] in fit_resume)."""
+        skip, self._resume_skip = self._resume_skip, 0
+        return skip
+
+    def skip_batches(self, count: int) -> None:
+        """The next epoch starts ``count`` batches in ([Note: exact resume] in fit_resume)."""
+        self._resume_skip = int(count)
+
+    # -- inference -----------------------------------------------------------------------------
+
+    def _pipelined_call(self, inputs: Any) -> Any:
+        from tfsmp.keras.trainer_steps import TrainerSteps
+
+        steps = self._trainer_steps or TrainerSteps(self)
+        flat = steps.forward(tf.nest.map_structure(np.asarray, inputs))
+        return self._view().traced.pack_outputs([tf.convert_to_tensor(v) for v in flat])
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -710,18 +579,3 @@ def _dry_zeros(rows: Any, dims: tuple[int | None, ...], dtype: str) -> tf.Tensor
     if any(d is None for d in dims):
         zeros = tf.compat.v1.placeholder_with_default(zeros, shape=[None, *dims])
     return zeros
-
-
-def _reject(kwargs: dict[str, Any], names: tuple[str, ...], method: str) -> None:
-    """Keras's TypeError for unknown keywords (``names``: accepted and ignored ones)."""
-    unknown = set(kwargs) - set(names)
-    if unknown:
-        raise TypeError(f"{method}() got unexpected keyword arguments: {sorted(unknown)}")
-
-
-def _unpack(data: Any) -> tuple[Any, Any, Any]:
-    if isinstance(data, tuple):
-        padded = (*data, None, None, None)
-        return padded[0], padded[1], padded[2]
-    return data, None, None
-

@@ -23,7 +23,7 @@ import keras
 
 from tfsmp.errors import StepError
 
-__all__ = ["HOOKS", "check_overrides"]
+__all__ = ["HOOKS", "check_overrides", "check_trainable"]
 
 # hook -> (the entry points it belongs to, why a pipeline cannot run it, what to do instead)
 HOOKS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -38,8 +38,6 @@ HOOKS: dict[str, tuple[tuple[str, ...], str]] = {
                      "(docs/keras_semantics.md)"),
     "compute_metrics": (("fit", "evaluate", "train_on_batch", "test_on_batch"),
                         "metrics are updated per microbatch on the last stage"),
-    "get_metrics_result": (("fit", "evaluate", "train_on_batch", "test_on_batch"),
-                           "logs are gathered from the last stage's metrics"),
     "make_train_function": (("fit", "train_on_batch"), "there is no single train function"),
     "make_test_function": (("fit", "evaluate", "test_on_batch"), "there is no single test function"),
     "make_predict_function": (("predict", "predict_on_batch"),
@@ -73,3 +71,57 @@ def check_overrides(model: Any, entry: str, *, rank_tag: str = "") -> None:
                     f"{entry}(). Move the custom logic into layers, losses, metrics or "
                     f"callbacks (which tfsmp runs as written), or write the step with "
                     f"@smp.step (docs/keras_semantics.md).".strip())
+
+
+# [Note: what a pipeline cannot train] Two things a model or optimizer may do that a pipelined
+# step cannot honour exactly, refused before any work (on every rank alike, since every rank
+# runs the same script):
+# - an optimizer class that overrides ``apply`` or ``apply_gradients`` may read every gradient
+#   at once (a global statistic, a schedule-free optimizer's own copies of the weights); with
+#   several pipeline ranks each rank's optimizer sees its own stages' gradients only. Keras's
+#   own optimizers, and overrides of ``update_step`` (one variable at a time), are fine.
+# - a stateful RNN carries its state from one batch's rows to the next batch's same rows; split
+#   into microbatches (or replicas), a batch's rows no longer meet their own state.
+_KERAS_APPLY_OWNERS = ("keras.src.optimizers.",)
+
+
+def _applies_all_at_once(optimizer: Any) -> str | None:
+    """The name of the overridden method of a user optimizer class, or None."""
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    for cls in type(optimizer).__mro__:
+        if cls is BaseOptimizer or cls.__module__.startswith(_KERAS_APPLY_OWNERS):
+            return None
+        for name in ("apply", "apply_gradients"):
+            if name in vars(cls):
+                return f"{cls.__name__}.{name}"
+    return None
+
+
+def check_trainable(model: Any, *, pipeline_ranks: int, parts: int, rank_tag: str = "") -> None:
+    """Refuses what a pipelined training step cannot honour ([Note: what a pipeline cannot
+    train]): ``pipeline_ranks`` = partitions, ``parts`` = microbatches × data replicas.
+
+    Raises:
+        StepError: naming the optimizer method or the layer, and the way out.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    method = _applies_all_at_once(inner) if inner is not None and pipeline_ranks > 1 else None
+    if method is not None:
+        raise StepError(
+            f"{rank_tag} An optimizer that overrides apply() or apply_gradients() may read every "
+            f"gradient at once, but each pipeline rank's optimizer sees only its own stages' "
+            f"gradients. Received: {method} with partitions={pipeline_ranks}. Override "
+            f"update_step() (one variable at a time) instead, or train with partitions=1.")
+    if parts <= 1:
+        return
+    source = model.source_model()
+    stateful = [layer.name for layer in source._flatten_layers(include_self=False)
+                if getattr(layer, "stateful", False)]
+    if stateful:
+        raise StepError(
+            f"{rank_tag} A stateful RNN carries its state from one batch's rows to the next "
+            f"batch's, which a batch split into microbatches or replicas cannot do. Received: "
+            f"stateful layer(s) {stateful} with {parts} parts per batch (microbatches × data "
+            f"replicas). Fix: microbatches=1 and one replica per stage, or stateful=False.")

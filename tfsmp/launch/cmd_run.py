@@ -171,6 +171,7 @@ def _interface(args: argparse.Namespace, hosts: list[HostSlots],
 def run(args: argparse.Namespace) -> int:
     """Entry point of `tfsmp run`; returns mpirun's exit code (2 for an invalid config)."""
     from tfsmp.errors import ConfigError
+    from tfsmp.launch import ownjob
     from tfsmp.launch.hosts import forwarded_env
     from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
 
@@ -179,7 +180,10 @@ def run(args: argparse.Namespace) -> int:
         np, config_json, dist_mpi_args = resolve_launch_options(args, hosts=hosts)
         interface = _interface(args, hosts, os.environ)
         cap_prefix, cap_env = _memory_cap(args)
-    except ConfigError as e:
+        if not args.dry_run:
+            _check_script(args.script)
+        grace = ownjob.grace_seconds(getattr(args, "stop_grace", None))
+    except (ConfigError, ValueError) as e:
         print(f"tfsmp run: error: {e}", file=sys.stderr)
         return 2
     from tfsmp.launch import restart  # --max-restarts (docs/resume.md)
@@ -195,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         extra_mpi_args=[*dist_mpi_args, *shlex.split(args.mpi_args or "")],
         tag_output=args.tag_output, mpirun=find_mpirun(), network_interface=interface,
         rank_guard=bool(hosts) or bool(getattr(args, "max_restarts", 0)),
-        rank_prefix=cap_prefix)
+        rank_prefix=cap_prefix, local_only=not hosts)
     if args.dry_run:
         print(shlex.join(argv))
         return 0
@@ -205,7 +209,22 @@ def run(args: argparse.Namespace) -> int:
     tf_logs = args.tf_logs or tf_logs_wanted()
     if getattr(args, "max_restarts", 0):  # relaunch after a failure (docs/resume.md)
         return restart.run(args, argv, hosts, np, config_json, tf_logs=tf_logs)
-    return run_filtered(argv, tf_logs=tf_logs)
+    return run_filtered(argv, tf_logs=tf_logs, grace=grace)
+
+
+def _check_script(script: str) -> None:
+    """The script must exist before any process starts (`-m module` is left to Python).
+
+    Raises:
+        ConfigError: It does not exist, or is a directory.
+    """
+    from tfsmp.errors import ConfigError
+
+    if script.startswith("-") or os.path.isfile(script):
+        return
+    what = "is a directory" if os.path.isdir(script) else "does not exist"
+    raise ConfigError(f"the script to run must be a file. Received: {script!r}, which {what} "
+                      f"(working directory {os.getcwd()}). Fix: check the path.")
 
 
 def _memory_cap(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
@@ -250,6 +269,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tf-logs", action="store_true",
                    help="show TensorFlow's start-up log lines, which tfsmp run drops (also: env "
                         "TFSMP_TF_LOGS=1); see [Note: quiet start-up] in tfsmp/launch/output.py")
+    p.add_argument("--stop-grace", type=float, default=None, metavar="SECONDS",
+                   help="after a SIGTERM, SIGINT or SIGHUP to tfsmp run, the seconds the ranks "
+                        "get to write a backup before the job is killed (env TFSMP_STOP_GRACE; "
+                        "default 30); see [Note: the launcher owns its job] in "
+                        "tfsmp/launch/ownjob.py")
     from tfsmp.launch.restart import add_arguments  # --max-restarts and more (docs/resume.md)
 
     add_arguments(p)

@@ -78,7 +78,12 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs `tfsmp schedule`; returns the exit code (2 on a bad argument)."""
     from tfsmp.errors import ScheduleError
+    from tfsmp.launch.viz import viz_missing
 
+    missing = viz_missing("tfsmp schedule", [args.out])
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     try:
         summary, text = _build(args)
     except ScheduleError as e:

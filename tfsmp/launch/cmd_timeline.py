@@ -66,6 +66,11 @@ def _check(args: argparse.Namespace) -> None:
     if args.out and Path(args.out).suffix.lower() not in _PICTURE_SUFFIXES:
         raise ValueError(f"--out must end in {', '.join(_PICTURE_SUFFIXES)}. "
                          f"Received: --out={args.out}")
+    from tfsmp.launch.viz import viz_missing
+
+    missing = viz_missing("tfsmp timeline", [args.out])
+    if missing:
+        raise ValueError(missing.split(": error: ", 1)[1])
     if args.steps < 1 or args.skip < 0:
         raise ValueError(f"--steps must be >= 1 and --skip >= 0. Received: --steps={args.steps}, "
                          f"--skip={args.skip}")

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["CONFIG_ENV", "TAG_OUTPUT_PATTERN", "build_mpirun_command", "find_mpirun", "is_root",
+__all__ = ["CONFIG_ENV", "LOCAL_ONLY_FLAGS", "TAG_OUTPUT_PATTERN", "build_mpirun_command", "find_mpirun", "is_root",
            "launcher_never_started"]
 
 CONFIG_ENV = "SM_HP_MP_PARAMETERS"
@@ -106,6 +106,24 @@ def _interface_flags(network_interface: str | None) -> list[str]:
             "--mca", "oob_tcp_if_include", network_interface]
 
 
+# [Note: one-host exposure] A one-host job needs no network, yet by default every rank of the
+# Open MPI 5 wheel listens on all interfaces (its TCP byte-transfer layer: 0.0.0.0 and [::], one
+# port each per rank), and tfsmp's control data between ranks travels as pickles (docs/faults.md,
+# "Network trust model"). `--mca btl self,sm` keeps a one-host job's MPI traffic in shared
+# memory: measured with `ss -ltnp` on a 2-rank job, 7 listening sockets before (4 of the ranks',
+# 3 of prterun's), 3 after (prterun's). prterun's own listeners stay: PRRTE's out-of-band channel
+# refuses a loopback-only interface list on this wheel ("No network interfaces were found for
+# out-of-band communications" for `--prtemca prte_if_include lo`, 127.0.0.1/32 alike).
+LOCAL_ONLY_FLAGS = ("--mca", "btl", "self,sm")
+
+
+def _local_flags(local_only: bool, extra_mpi_args: Sequence[str]) -> list[str]:
+    """`LOCAL_ONLY_FLAGS` for a one-host job, unless the user's own flags choose a btl."""
+    if not local_only or any("btl" in str(a) for a in extra_mpi_args):
+        return []
+    return list(LOCAL_ONLY_FLAGS)
+
+
 def _env_flags(env: Mapping[str, str | None]) -> list[str]:
     """`-x NAME=value` per variable; a None value exports the launcher's own `NAME`."""
     flags: list[str] = []
@@ -133,6 +151,7 @@ def build_mpirun_command(
     network_interface: str | None = None,
     rank_guard: bool = False,
     rank_prefix: Sequence[str] = (),
+    local_only: bool = False,
 ) -> list[str]:
     """Builds the argv of an Open MPI 5 `mpirun` launch of a Python script.
 
@@ -158,6 +177,8 @@ def build_mpirun_command(
             of a rank killed by a signal (see [Note: who died] there).
         rank_prefix: A command each rank runs the rest under (before the guard and Python),
             e.g. `tfsmp.launch.memcap.rank_prefix` for a per-rank memory cap.
+        local_only: A one-host job: MPI traffic in shared memory only, no TCP listener per
+            rank ([Note: one-host exposure]); ignored when ``extra_mpi_args`` set a btl.
 
     Returns:
         The argv list (pass to subprocess; `shlex.join` it for display).
@@ -181,6 +202,7 @@ def build_mpirun_command(
     argv += ["--tag-output"] if tag_output else []
     argv += host_flags
     argv += _interface_flags(network_interface)
+    argv += _local_flags(local_only and not host_flags, extra_mpi_args)
     argv += _env_flags({**(env or {}), **({CONFIG_ENV: config_json} if config_json else {})})
     argv += list(extra_mpi_args)
     argv += list(rank_prefix)

@@ -55,6 +55,10 @@ _RULE = re.compile(r"^-{20,}$")
 _NONZERO = re.compile(r"^(?:(?:prterun|mpirun) detected that one or more processes exited with "
                       r"non-zero status|MPI_ABORT was invoked on rank \d+|(?:prterun|mpirun) has "
                       r"exited due to process rank \d+)")
+# After a stop signal, each rank that did not keep a backup dies of the relayed SIGUSR1, and
+# mpirun says so in a box per job: expected, so dropped ([Note: the launcher owns its job]).
+_NOTICED = re.compile(r"^(?:prterun|mpirun) noticed that process rank \d+ with PID \d+ on node "
+                      r"\S+ exited on")
 # A rank's tagged report: `[rank 1 | init] ConfigError: ...`, `[rank 1 | pp_rank 0] ...`.
 _SETUP_ERROR = re.compile(r"^\[rank \d+ \| (?:init|pp_rank \d+)\] \S")
 _UNREACH = re.compile(r"^\[[\w.-]+:\d+\] PMIX ERROR: PMIX_ERR_UNREACH in file ")
@@ -79,6 +83,7 @@ class OutputFilter:
     def __init__(self, tf_logs: bool = False, job_map: bool = True) -> None:
         self.tf_logs, self.job_map = tf_logs, job_map
         self.setup_error_seen = False
+        self.stopping = False  # set by the launcher once it relays a stop signal
         self.dropped = 0
         self._held: str | None = None   # a rule line that may open a box to drop
         self._skipping: re.Pattern[str] | None = None  # the line that ends the block dropped
@@ -96,7 +101,8 @@ class OutputFilter:
         out: list[str] = []
         if self._held is not None:
             held, self._held = self._held, None
-            if self.setup_error_seen and _NONZERO.match(text):
+            if (self.setup_error_seen and _NONZERO.match(text)) or (
+                    self.stopping and _NOTICED.match(text)):
                 self.dropped += 2
                 self._skipping = _RULE
                 return []
@@ -125,34 +131,62 @@ class OutputFilter:
 
 
 def _pump(source: IO[bytes], sink: IO[str], keep: OutputFilter) -> None:
+    last = "\n"
     for raw in iter(source.readline, b""):
         for line in keep.feed(raw.decode("utf-8", "replace")):
             sink.write(line)
+            last = line[-1:] or last
         sink.flush()
     for line in keep.close():
         sink.write(line)
+        last = line[-1:] or last
+    if last != "\n":  # a rank's unfinished last line: what the launcher says goes on a new one
+        sink.write("\n")
     sink.flush()
 
 
 def run_filtered(argv: Sequence[str], *, tf_logs: bool = False,
                  env: Mapping[str, str] | None = None,
-                 started: Callable[[subprocess.Popen[bytes]], object] | None = None) -> int:
-    """Runs `argv` (an mpirun line) with its stderr passed through `OutputFilter`.
+                 started: Callable[[subprocess.Popen[bytes]], object] | None = None,
+                 grace: float | None = None, on_stop: Callable[[], None] | None = None) -> int:
+    """Runs `argv` (an mpirun line) with its stderr passed through `OutputFilter`, owning the job.
 
     Stdout is untouched (Keras progress bars redraw with carriage returns). Returns the exit code.
     ``env``: the process's environment (default: this one's); ``started(proc)`` is called once
-    it runs (`tfsmp.launch.restart` relays signals to it).
+    it runs. A SIGTERM, SIGINT or SIGHUP meanwhile stops the job, with ``grace`` seconds for a
+    backup (None: `ownjob.grace_seconds()`), and ``on_stop()`` is called; whatever the job leaves
+    behind is killed before this returns ([Note: the launcher owns its job] in
+    tfsmp/launch/ownjob.py).
     """
+    from tfsmp.launch import ownjob
+
     keep = OutputFilter(tf_logs=tf_logs)
-    with subprocess.Popen(list(argv), stderr=subprocess.PIPE,
-                          env=None if env is None else dict(env)) as proc:
+
+    def stopping() -> None:
+        keep.stopping = True
+        if on_stop is not None:
+            on_stop()
+
+    stopper = ownjob.Stopper(ownjob.grace_seconds(grace), say=_say, on_stop=stopping)
+    with stopper, subprocess.Popen(ownjob.guarded(list(argv)), stderr=subprocess.PIPE,
+                                   env=None if env is None else dict(env),
+                                   **ownjob.popen_kwargs()) as proc:
+        stopper.attach(proc)
         if started is not None:
             started(proc)
-        if proc.stderr is None:  # pragma: no cover - stderr=PIPE always gives one
-            return proc.wait()
-        pump = threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, keep), daemon=True)
-        pump.start()
+        pump = None
+        if proc.stderr is not None:
+            pump = threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, keep),
+                                    daemon=True)
+            pump.start()
         code = proc.wait()
-        # A process the job left behind may hold the pipe open: do not wait for it long.
-        pump.join(timeout=5.0)
+        left = ownjob.sweep(proc.pid)
+        # A process the job left behind may have held the pipe open: it is gone now.
+        if pump is not None:
+            pump.join(timeout=5.0)
+    stopper.report(left)
     return code
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

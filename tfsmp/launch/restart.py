@@ -18,9 +18,11 @@ The script resumes from its own checkpoint (Keras's or tfsmp's `BackupAndRestore
   it is reported and the job ends with its exit code.
 * *Relaunches a preemption.* Ranks that stopped for a preemption notice exit with code 75 after
   their checkpoint ([Note: preemption] in tfsmp/runtime/preemption.py); that counts as a restart.
-  A SIGTERM to the launcher itself is relayed to the ranks as SIGUSR1 (mpirun kills a job on
-  SIGTERM but forwards SIGUSR1): they checkpoint and exit 75, and the launcher exits 75 without
-  relaunching — it is the one being stopped. A second SIGTERM stops mpirun at once.
+  A SIGTERM (SIGINT, SIGHUP) to the launcher itself is relayed to the ranks as SIGUSR1 (mpirun
+  kills a job on SIGTERM but forwards SIGUSR1): they checkpoint and exit 75, and the launcher
+  exits 75 without relaunching — it is the one being stopped. A second signal, or the end of
+  ``--stop-grace``, stops mpirun at once ([Note: the launcher owns its job] in
+  tfsmp/launch/ownjob.py, as for every `tfsmp run`).
 * *Goes on without a lost host.* Across hosts, each host is probed (`mpirun --host H -np 1`,
   the job's own transport) after a failure; hosts that do not answer are dropped, and the job is
   relaunched on the rest with the largest multiple of ``partitions`` ranks that fits — whole
@@ -38,7 +40,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 from tfsmp import relaunch
@@ -182,6 +182,7 @@ class Relauncher:
     base_dir: str | None = None
     probe: Callable[[HostSlots], bool] | None = None
     tf_logs: bool = False
+    grace: float | None = None  # s for a backup after a stop signal (ownjob.grace_seconds)
     sleep: Callable[[float], None] = time.sleep
     say: Callable[[str], None] = field(default=lambda text: print(text, file=sys.stderr,
                                                                  flush=True))
@@ -277,23 +278,14 @@ class Relauncher:
         return [h.name for h in self.hosts if not answers.get(h.name, False)]
 
     def _mpirun(self, argv: list[str], extra: Mapping[str, str]) -> int:
-        """Runs one attempt; a SIGTERM (or SIGINT) to the launcher stops it gracefully."""
-        procs: list[subprocess.Popen[bytes]] = []
-        relayed: list[int] = []
+        """Runs one attempt; a SIGTERM, SIGINT or SIGHUP to the launcher stops it gracefully
+        ([Note: the launcher owns its job] in tfsmp/launch/ownjob.py) and ends the loop."""
 
-        def relay(signum: int, frame: FrameType | None) -> None:
+        def stop() -> None:
             self.stopping = True
-            for proc in procs:  # first: the ranks back up and exit 75 ([Note: preemption])
-                proc.send_signal(signal.SIGUSR1 if not relayed else signal.SIGTERM)
-            relayed.append(signum)
 
-        previous = {s: signal.signal(s, relay) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            return run_filtered(argv, tf_logs=self.tf_logs, env={**os.environ, **extra},
-                                started=procs.append)
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+        return run_filtered(argv, tf_logs=self.tf_logs, env={**os.environ, **extra},
+                            grace=self.grace, on_stop=stop)
 
 
 def _partitions(config_json: str | None, np: int) -> int:
@@ -342,5 +334,6 @@ def run(args: argparse.Namespace, argv: list[str], hosts: list[HostSlots], np: i
     relauncher = Relauncher(
         argv, list(hosts), np, _partitions(config_json, np), args.max_restarts,
         first_backoff=args.restart_backoff, base_dir=getattr(args, "restart_dir", None),
-        probe=_probe(args, argv) if len(hosts) > 1 else None, tf_logs=tf_logs)
+        probe=_probe(args, argv) if len(hosts) > 1 else None, tf_logs=tf_logs,
+        grace=getattr(args, "stop_grace", None))
     return relauncher.run()

@@ -167,12 +167,22 @@ class Engine:
         self._idle_actions: dict[int, list[Action]] = {}
         self.steps = 0
         self.skipped_steps = 0
+        # the config's, or "skip" while a fit has Keras's TerminateOnNaN (tfsmp/keras/model.py)
+        self.nonfinite: str = config.nonfinite
         self._outputs: ShapeResolver | None = None
         self._layer_losses: bool | None = None  # does any stage of the job add layer losses?
         self._warned_state = False
         self.set_optimizer(optimizer)
         self.broadcast_from_first_replica()
         self.ties.sync()  # copies of tied variables start identical
+
+    def rebuilt(self, objective: Objective | None, optimizer: Any) -> Engine:
+        """A new engine over the same traced model, plan and schedules, whose stage programs
+        read the variables' trainable flags anew ([Note: changing the model] in
+        tfsmp/keras/model.py). Every rank calls it."""
+        return Engine(self.traced, self.plan, self._schedules, config=self.config, comm=self.comm,
+                      rank_tag=self.rank_tag, objective=objective, optimizer=optimizer,
+                      tracer=self._tracer, horovod=self._horovod)
 
     def _can_update_directly(self, plan: StagePlan, weighted: set[int]) -> bool:
         """[Note: direct update]: one microbatch, one replica, one unsplit stage per rank, no
@@ -262,7 +272,7 @@ class Engine:
             mb = self._microbatches(x, y, sample_weight, shape, scale=scale)[0]
             self.steps += 1
             result, applied = one_call.run(mb, step_number=self.steps,
-                                           nonfinite=self.config.nonfinite, tracer=self._tracer)
+                                           nonfinite=self.nonfinite, tracer=self._tracer)
             self.skipped_steps += not applied
             result.microbatches = [mb]
             return result
@@ -307,6 +317,15 @@ class Engine:
         honour ([Note: one owner of the step])."""
         mine = any([p.measure_layer_losses() for p in self.programs.values()]) or bool(
             self._regularized())
+        split = sorted({n for p in self.programs.values() for n in p.per_microbatch_losses()})
+        if split and self.m * self.dp_size > 1:
+            warnings.warn(
+                f"{self.rank_tag} Layer(s) {split} add a loss that is neither a sum nor a mean "
+                f"over their samples (a mixture-of-experts balancing loss, for example): with "
+                f"{self.m * self.dp_size} parts per step it is computed per microbatch and "
+                f"averaged over the rows, as pipeline frameworks do; one part per step "
+                f"(microbatches=1, one replica) gives plain Keras's value "
+                f"(docs/keras_semantics.md, \"Per microbatch\").", stacklevel=2)
         with _watched("every rank's layer-loss flag (an allgather)"):
             self._layer_losses = any(self.comm.world.allgather_obj(mine))
         rows = min(mbatch.batch_size_of(x), 3)
@@ -705,7 +724,12 @@ class Engine:
         if self._direct:
             return  # each variable was updated in its stage's backward ([Note: direct update])
         self.ties.reduce()  # sum tied copies' gradients over their stages, before the step
-        if not self.variables or self._bridge is None:
+        if not self.variables and self.optimizer is not None:
+            # a rank with nothing to train counts the step too: callbacks there read the
+            # optimizer's iterations (and learning-rate schedules) as on every other rank
+            self.optimizer.iterations.assign_add(1)
+            return
+        if self._bridge is None:
             return
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
         for j, (_, s, i) in enumerate(self._unique):
@@ -719,7 +743,7 @@ class Engine:
         """[Note: consistent skips] Skips the update on every rank, or raises on every rank."""
         self.skipped_steps += 1  # the next step starts from fresh accumulators
         if (self._bridge is not None and self._bridge.on_nonfinite()) or \
-                self.config.nonfinite == "skip":
+                self.nonfinite == "skip":
             return
         grads = {s: i for r in report for s, i in r[1].items()}
         mbs = sorted({i for r in report for i in r[2]})

@@ -21,8 +21,10 @@ not depend on the batch counts as a mean). Which one it is cannot be read off th
 is measured once, before training, on the rank that owns the layer: the layer runs in a
 `keras.StatelessScope` (no variable or random state changes) on 3 synthetic rows, on row 0
 alone and on rows 1-2, and the losses decide: ``L(0:3) = L(0) + L(1:3)`` is a sum,
-``L(0:3) = (L(0) + 2 L(1:3)) / 3`` a mean. A loss that is neither cannot be split into
-microbatches, and a model with one is refused when a step has more than one part.
+``L(0:3) = (L(0) + 2 L(1:3)) / 3`` a mean. A loss that is neither (a mixture-of-experts
+balancing loss reads the whole batch's routing statistics) cannot be split exactly: it is
+computed per microbatch and counted as a row-weighted mean, as pipeline frameworks compute such
+losses, and the first step with more than one part warns once, naming the layers.
 """
 
 from __future__ import annotations

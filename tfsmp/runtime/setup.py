@@ -14,7 +14,7 @@ from tfsmp.schedule.placement import Placement
 if TYPE_CHECKING:
     from tfsmp.config import Config
 
-__all__ = ["build_engine", "make_plan", "make_schedule"]
+__all__ = ["build_engine", "make_plan", "make_schedule", "rebuild_engine"]
 
 
 def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str, int] | None = None,
@@ -156,3 +156,10 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
     objective = Objective(compile_loss) if compile_loss is not None else None
     return Engine(traced, plan, schedules, config=config, comm=state.comm, rank_tag=rank_tag,
                   objective=objective, optimizer=optimizer, tracer=tracer, horovod=state.horovod)
+
+
+def rebuild_engine(engine: Engine, compile_loss: Any, optimizer: Any) -> Engine:
+    """``engine``'s plan and schedules with new stage programs, the compiled loss and optimizer
+    ([Note: changing the model] in tfsmp/keras/model.py)."""
+    objective = Objective(compile_loss) if compile_loss is not None else None
+    return engine.rebuilt(objective, optimizer)

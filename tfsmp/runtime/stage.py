@@ -209,6 +209,14 @@ class StageProgram:
                 self.loss_rules[pos] = ll.probe_call(call)
         return any(rules is None or rules for rules in self.loss_rules.values())
 
+    def per_microbatch_losses(self) -> list[str]:
+        """Layers whose added loss is neither a sum nor a mean over samples, or could not be
+        measured ([Note: decomposable losses]): with several parts per step, each part's value
+        counts as a row-weighted mean (a mixture-of-experts balancing loss per microbatch, as
+        pipeline frameworks compute it)."""
+        return sorted({self.calls[pos].layer_name for pos, rules in self.loss_rules.items()
+                       if rules is None or None in rules})
+
     # -- the graph interpreter -----------------------------------------------------------------
 
     def _run(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], training: bool,
@@ -223,9 +231,11 @@ class StageProgram:
             if pos in self.loss_rules:
                 added = ll.own_losses(call.layer)
                 rules = self.loss_rules[pos]
-                if added and (rules is None or len(rules) != len(added) or None in rules):
+                if added and (rules is None or len(rules) != len(added)):
                     self.unmeasured.add(call.layer_name)
-                    rules = [ll.SUM] * len(added)
+                    rules = [ll.MEAN] * len(added)
+                elif rules and None in rules:  # neither: per microbatch, as a mean
+                    rules = [ll.MEAN if r is None else r for r in rules]
                 layer_loss += ll.combine(added, rules or [], frac)
         return ([env[b.tensor] for b in self.send], [env[k] for k in self.output_keys],
                 layer_loss)

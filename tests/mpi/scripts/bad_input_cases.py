@@ -78,7 +78,7 @@ def _outcome(dm: tfsmp.DistributedModel | None, fn: Callable[[], Any],
     try:
         fn()
         error = "no error"
-    except (TfsmpError, ValueError, TypeError) as e:
+    except (TfsmpError, ValueError, TypeError, tf.errors.OpError) as e:
         error = f"{type(e).__name__}: {e}"
     unchanged = True if dm is None else _same(before or [], _snapshot(dm))
     return {"error": error, "unchanged": unchanged}
@@ -134,6 +134,11 @@ def case_data(ctx: Any) -> dict[str, Outcome]:
             x, y, class_weight={0: 1.0}, sample_weight=np.ones(len(x), np.float32), verbose=0))),
         ("unknown_fit_argument",
          lambda: _outcome(dm, lambda: dm.fit(x, y, epochz=2, verbose=0))),
+        # Keras's data adapter checks the arrays' lengths before any step (issue 27)
+        ("labels_longer_than_inputs", lambda: _outcome(dm, lambda: dm.fit(
+            x, np.concatenate([y, y[:4]]), batch_size=BATCH, verbose=0))),
+        ("labels_shorter_than_inputs", lambda: _outcome(dm, lambda: dm.fit(
+            x, y[:-4], batch_size=BATCH, verbose=0))),
         ("dataset_batch_size_not_int", lambda: _fit_outcome(
             dm, tf.data.Dataset.from_generator(changing, output_signature=spec),
             batch_size="16")),

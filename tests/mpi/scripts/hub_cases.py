@@ -71,6 +71,32 @@ def vit() -> keras.Model:
         mlp_dim=FF), num_classes=5, preprocessor=None)
 
 
+def qwen_moe() -> keras.Model:
+    return M.QwenMoeCausalLM(backbone=M.QwenMoeBackbone(
+        vocabulary_size=VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=DIM, intermediate_dim=FF, moe_intermediate_dim=8,
+        shared_expert_intermediate_dim=8, num_experts=4, top_k=2, output_router_logits=True),
+        preprocessor=None)
+
+
+def mixtral() -> keras.Model:
+    return M.MixtralCausalLM(backbone=M.MixtralBackbone(
+        vocabulary_size=VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=DIM, intermediate_dim=FF, num_experts=4, top_k=2, sliding_window=SEQ,
+        output_router_logits=True), preprocessor=None)
+
+
+def clip() -> keras.Model:
+    """keras_hub's CLIP: an 'embedding' layer in each encoder ([Note: nested names] in
+    tfsmp/graph/tracer.py)."""
+    vision = M.CLIPVisionEncoder(patch_size=4, hidden_dim=DIM, num_layers=1, num_heads=2,
+                                 intermediate_dim=FF, image_shape=(8, 8, 3))
+    text = M.CLIPTextEncoder(vocabulary_size=VOCAB, embedding_dim=DIM, hidden_dim=DIM,
+                             num_layers=1, num_heads=2, intermediate_dim=FF,
+                             max_sequence_length=SEQ)
+    return M.CLIPBackbone(vision, text, projection_dim=8)
+
+
 # -- data: lists of (x, y, sample_weight) batches ------------------------------------------------
 
 def _padded(rng: np.random.Generator, n: int, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -84,7 +110,7 @@ def _batches(x: Any, y: np.ndarray, sw: np.ndarray | None) -> list[tuple[Any, ..
     out = []
     for i in range(STEPS):
         s = slice(i * BATCH, (i + 1) * BATCH)
-        b = (rows(x, s.start, s.stop), y[s])
+        b = (rows(x, s.start, s.stop), rows(y, s.start, s.stop))
         out.append(b if sw is None else (*b, sw[s]))
     return out
 
@@ -110,10 +136,22 @@ def image_data() -> list[tuple[Any, ...]]:
     return _batches(x, rng.integers(0, 5, STEPS * BATCH).astype("int32"), None)
 
 
+def contrastive_data() -> list[tuple[Any, ...]]:
+    """CLIP: image i matches text i; each row's target is its own index in the batch."""
+    rng = np.random.default_rng(8)
+    images = rng.normal(size=(STEPS * BATCH, 8, 8, 3)).astype("float32")
+    ids, _ = _padded(rng, STEPS * BATCH, SEQ)
+    match = np.tile(np.arange(BATCH, dtype="int32"), STEPS)
+    return _batches({"images": images, "token_ids": ids},
+                    {"vision_logits": match, "text_logits": match}, None)
+
+
 MODELS: dict[str, tuple[Callable[[], keras.Model], Callable[[], list[tuple[Any, ...]]]]] = {
     "llama": (llama, causal_data), "mistral": (mistral, causal_data),
     "gemma": (gemma, causal_data), "phi3": (phi3, causal_data),
-    "bart": (bart, seq2seq_data), "t5": (t5, seq2seq_data), "vit": (vit, image_data)}
+    "bart": (bart, seq2seq_data), "t5": (t5, seq2seq_data), "vit": (vit, image_data),
+    "qwenmoe": (qwen_moe, causal_data), "mixtral": (mixtral, causal_data),
+    "clip": (clip, contrastive_data)}
 
 
 def _compile() -> dict[str, Any]:

@@ -1,0 +1,453 @@
+"""Keras's trainer around a pipeline: callbacks, metrics, data, saving, recompiling, against plain Keras.
+
+Each case trains one model twice from one seed, in plain Keras in this process and as a
+`tfsmp.DistributedModel` across 2 ranks with the stage cut forced after layer ``d0``, and
+returns what the test compares (both ranks alike). Every case is a kind of failure the
+trainer of round 3 had (issue 26): hooks never called, logs missing, metrics that only the
+last rank held, a shuffle of its own, a lost batch, a save without compile state, frozen
+layers still training. ``m`` (microbatches) comes from the case's name suffix.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+from caseutil import reinit
+from conformance_cases import _close, _plan_file
+
+import tfsmp
+
+BATCH = 16
+
+
+def _mlp(seed: int = 3, out: int = 3, activation: str | None = None) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((8,), name="x")
+    h = keras.layers.Dense(16, activation="tanh", name="d0")(x)
+    h = keras.layers.Dense(16, activation="tanh", name="d1")(h)
+    return keras.Model(x, keras.layers.Dense(out, activation=activation, name="out")(h))
+
+
+def _data(n: int = 48, classes: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    if classes:
+        return x, (np.abs(x[:, 0] * 3).astype(np.int64) % 3)
+    return x, (x[:, :3] * 2).astype(np.float32)
+
+
+def _compile(**kw: Any) -> dict[str, Any]:
+    return {"optimizer": keras.optimizers.SGD(0.05), "loss": "mse", "metrics": ["mae"], **kw}
+
+
+def _pipelined(build: Any, m: int, x: Any, ctx: Any, cut: str = "d0") -> tfsmp.DistributedModel:
+    reinit({"partitions": 2, "stall_timeout": 120}, microbatches=m,
+           partition_file=_plan_file(build, cut, x, ctx.rank))
+    return tfsmp.DistributedModel(build())
+
+
+def _m(ctx: Any) -> int:
+    return int(ctx.case.rsplit("_m", 1)[1])
+
+
+def _same_history(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return sorted(a) == sorted(b) and all(_close(a[k], b[k]) for k in a)
+
+
+def _same_weights(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(_close(u, v) for u, v in zip(a, b))
+
+
+class Recorder(keras.callbacks.Callback):  # type: ignore[misc]
+    """Every hook Keras calls, with the sorted keys of its logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        for hook in ("train_begin", "train_end", "epoch_begin", "epoch_end", "test_begin",
+                     "test_end", "predict_begin", "predict_end", "train_batch_end",
+                     "test_batch_end", "predict_batch_end"):
+            setattr(self, f"on_{hook}", self._make(hook))
+
+    def _make(self, hook: str) -> Any:
+        def record(*args: Any, logs: Any = None) -> None:
+            logs = args[-1] if args and isinstance(args[-1], dict) else logs
+            keys = sorted(logs) if isinstance(logs, dict) and "outputs" not in logs else []
+            self.calls.append(f"{hook}{keys}")
+        return record
+
+
+def _callbacks_run(model: Any, x: Any, y: Any) -> dict[str, Any]:
+    rec = Recorder()
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                        validation_data=(x[:16], y[:16]), callbacks=[rec]).history
+    fit_calls = list(rec.calls)
+    rec.calls.clear()
+    evaluation = model.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=[rec],
+                                return_dict=True)
+    metrics = {k: float(v) for k, v in model.get_metrics_result().items()}
+    each = {m.name: np.asarray(m.result(), dtype=object).tolist() for m in model.metrics
+            if not isinstance(m.result(), dict)}
+    model.predict(x, batch_size=BATCH, verbose=0, callbacks=[rec])
+    return {"fit_calls": fit_calls, "later_calls": rec.calls, "history": history,
+            "evaluate": evaluation, "metrics_result": metrics, "each_metric": str(each)}
+
+
+def case_callbacks_m2(ctx: Any) -> dict[str, Any]:
+    """Every hook with Keras's logs (on_train_end gets the last epoch's, val_* included);
+    on_test_*/on_predict_* for fit's validation, evaluate(callbacks=) and predict(callbacks=);
+    get_metrics_result() and model.metrics after evaluate, on every rank."""
+    x, y = _data()
+    ref = _mlp()
+    ref.compile(**_compile())
+    want = _callbacks_run(ref, x, y)
+    dm = _pipelined(_mlp, _m(ctx), x, ctx)
+    dm.compile(**_compile())
+    got = _callbacks_run(dm, x, y)
+    return {"calls_same": got["fit_calls"] == want["fit_calls"],
+            "later_same": got["later_calls"] == want["later_calls"],
+            "history_same": _same_history(got["history"], want["history"]),
+            "evaluate_same": _same_history(got["evaluate"], want["evaluate"]),
+            "metrics_same": _same_history(got["metrics_result"], want["metrics_result"]),
+            "train_end": [c for c in got["fit_calls"] if c.startswith("train_end")],
+            "detail": None if got["fit_calls"] == want["fit_calls"] else
+            [got["fit_calls"][-3:], want["fit_calls"][-3:]]}
+
+
+def _fit_compare(ctx: Any, data: Any, fit: dict[str, Any], build: Any = _mlp,
+                 compile_kw: dict[str, Any] | None = None, x: Any = None) -> dict[str, Any]:
+    """History and weights of one fit(data, **fit), plain Keras against tfsmp."""
+    sample = x if x is not None else _data()[0]
+    ref = build()
+    ref.compile(**_compile(**(compile_kw or {})))
+    keras.utils.set_random_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = ref.fit(*data(), verbose=0, **fit).history
+    dm = _pipelined(build, _m(ctx), sample, ctx)
+    dm.compile(**_compile(**(compile_kw or {})))
+    keras.utils.set_random_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = dm.fit(*data(), verbose=0, **fit).history
+    return {"history_same": _same_history(got, want),
+            "weights_same": _same_weights(dm.get_weights(), ref.get_weights()),
+            "steps": [len(v) for v in got.values()][:1],
+            "detail": None if _same_history(got, want) else [got, want]}
+
+
+def case_shuffled_arrays_m2(ctx: Any) -> dict[str, Any]:
+    """shuffle=True under keras.utils.set_random_seed: Keras's own row order."""
+    x, y = _data()
+    return _fit_compare(ctx, lambda: (x, y), {"batch_size": BATCH, "epochs": 2, "shuffle": True})
+
+
+class Rows(keras.utils.PyDataset):  # type: ignore[misc]
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x) // BATCH
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.x[i * BATCH:(i + 1) * BATCH], self.y[i * BATCH:(i + 1) * BATCH]
+
+
+def case_pydataset_shuffled_m2(ctx: Any) -> dict[str, Any]:
+    """A PyDataset with shuffle=True: Keras shuffles its batch order, alike on every rank."""
+    x, y = _data()
+    return _fit_compare(ctx, lambda: (Rows(x, y),), {"epochs": 3, "shuffle": True})
+
+
+def case_dataset_steps_per_epoch_m2(ctx: Any) -> dict[str, Any]:
+    """A repeated dataset with steps_per_epoch: every epoch takes its steps, none lost."""
+    x, y = _data()
+
+    def data() -> tuple[Any]:
+        return (tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat(),)
+
+    return _fit_compare(ctx, data, {"epochs": 3, "steps_per_epoch": 2})
+
+
+def _peak_error(y_true: Any, y_pred: Any) -> Any:
+    return keras.ops.max(keras.ops.abs(y_true - y_pred))  # one value per batch, not per row
+
+
+def case_metric_per_batch_m4(ctx: Any) -> dict[str, Any]:
+    """A metric function returning one value per batch (Keras averages it over batches)."""
+    x, y = _data()
+    return _fit_compare(ctx, lambda: (x, y), {"batch_size": BATCH, "epochs": 2, "shuffle": False},
+                        compile_kw={"metrics": [_peak_error]})
+
+
+def case_freeze_and_recompile_m2(ctx: Any) -> dict[str, Any]:
+    """The transfer-learning guide's recipe: train, freeze a layer, compile, train, unfreeze,
+    compile, train: each fit trains exactly the trainable variables."""
+    x, y = _data()
+
+    def recipe(model: Any) -> list[Any]:
+        fit = {"batch_size": BATCH, "epochs": 1, "verbose": 0, "shuffle": False}
+        model.compile(**_compile())
+        model.fit(x, y, **fit)
+        layers = model.source_model().layers if hasattr(model, "source_model") else model.layers
+        first = next(layer for layer in layers if layer.name == "d0")
+        first.trainable = False
+        model.compile(**_compile())
+        model.fit(x, y, **fit)
+        first.trainable = True
+        model.compile(**_compile())
+        model.fit(x, y, **fit)
+        return list(model.get_weights())
+
+    want = recipe(_mlp())
+    got = recipe(_pipelined(_mlp, _m(ctx), x, ctx))
+    return {"weights_same": _same_weights(got, want)}
+
+
+def case_save_keras_file_m2(ctx: Any) -> dict[str, Any]:
+    """model.save('m.keras') keeps compile and optimizer state: plain Keras loads it and
+    evaluates (and its optimizer has the trained steps), as from plain Keras's own file."""
+    x, y = _data()
+    ref = _mlp()
+    ref.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    ref.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    dm = _pipelined(_mlp, _m(ctx), x, ctx)
+    dm.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    dm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    folder = ctx.world.bcast(tempfile.mkdtemp() if ctx.rank == 0 else None, root=0)
+    path = os.path.join(folder, "m.keras")
+    dm.save(path)
+    out: dict[str, Any] = {}
+    if ctx.rank == 0:
+        loaded = keras.models.load_model(path)
+        want = ref.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+        out["evaluate_same"] = _same_history(
+            loaded.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True), want)
+        out["iterations"] = int(loaded.optimizer.iterations.numpy())
+        out["optimizer_same"] = _same_weights([v.numpy() for v in loaded.optimizer.variables],
+                                              [v.numpy() for v in ref.optimizer.variables])
+    return ctx.world.bcast(out, root=0)
+
+
+def case_optimizer_state_everywhere_m2(ctx: Any) -> dict[str, Any]:
+    """Callbacks read model.optimizer's iterations and learning rate on every rank, also where
+    the stage has nothing to train (stage 1: a softmax only)."""
+    x, y = _data(classes=True)
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((8,), name="x")
+        h = keras.layers.Dense(3, name="d0")(inp)
+        return keras.Model(inp, keras.layers.Activation("softmax", name="soft")(h))
+
+    seen: list[Any] = []
+
+    class Reader(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            opt = self.model.optimizer
+            seen.append([int(opt.iterations.numpy()), round(float(opt.learning_rate), 6)])
+
+    dm = _pipelined(build, _m(ctx), x, ctx)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    dm.compile(optimizer=keras.optimizers.SGD(schedule), loss="sparse_categorical_crossentropy")
+    dm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[Reader()])
+    return {"seen": seen}
+
+
+def _refusal(ctx: Any, make: Any, m: int) -> str:
+    x, y = _data()
+    dm = _pipelined(_mlp, m, x, ctx)
+    try:
+        make(dm)
+        dm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    except Exception as e:  # the same clear error on every rank, before any step
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+class GlobalNormSGD(keras.optimizers.SGD):  # type: ignore[misc]
+    """An optimizer whose apply() reads every gradient at once (a global statistic)."""
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        norm = keras.ops.sqrt(sum(keras.ops.sum(g * g) for g in grads))
+        return super().apply([g / (1.0 + norm) for g in grads], trainable_variables)
+
+
+def case_refusals_m4(ctx: Any) -> dict[str, str]:
+    """Refused before training, with a clear error: an optimizer reading all gradients at once
+    (apply() overridden), a stateful RNN at m > 1."""
+    out = {"apply_override": _refusal(
+        ctx, lambda dm: dm.compile(optimizer=GlobalNormSGD(0.05), loss="mse"), 1)}
+    x = np.random.default_rng(1).normal(size=(32, 4, 8)).astype(np.float32)
+    y = x[:, -1, :3]
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((4, 8), batch_size=BATCH, name="x")
+        h = keras.layers.Dense(8, name="d0")(inp)
+        h = keras.layers.LSTM(8, stateful=True, name="lstm")(h)
+        return keras.Model(inp, keras.layers.Dense(3, name="out")(h))
+
+    dm = _pipelined(build, _m(ctx), x, ctx)
+    dm.compile(optimizer="sgd", loss="mse")
+    try:
+        dm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        out["stateful_rnn"] = "no error"
+    except Exception as e:
+        out["stateful_rnn"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def case_swap_ema_weights_m2(ctx: Any) -> dict[str, Any]:
+    """SwapEMAWeights(swap_on_epoch=True): validation on the moving averages, as in Keras."""
+    x, y = _data()
+
+    def run(model: Any) -> dict[str, Any]:
+        model.compile(optimizer=keras.optimizers.SGD(0.05, use_ema=True), loss="mse")
+        return dict(model.fit(x, y, batch_size=BATCH, epochs=2, validation_data=(x, y),
+                              verbose=0, shuffle=False,
+                              callbacks=[keras.callbacks.SwapEMAWeights(swap_on_epoch=True)]
+                              ).history)
+
+    want = run(_mlp())
+    dm = _pipelined(_mlp, _m(ctx), x, ctx)
+    got = run(dm)
+    return {"history_same": _same_history(got, want), "detail": [got, want]}
+
+
+def case_terminate_on_nan_m2(ctx: Any) -> dict[str, Any]:
+    """TerminateOnNaN stops training at the first non-finite loss, as in Keras (no error)."""
+    x, y = _data()
+    x[20] = np.nan  # the second batch
+
+    def run(model: Any) -> dict[str, Any]:
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        history = model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
+                            callbacks=[keras.callbacks.TerminateOnNaN()]).history
+        return {k: [float(v) for v in vs] for k, vs in history.items()}
+
+    want = run(_mlp())
+    got = run(_pipelined(_mlp, _m(ctx), x, ctx))
+    return {"got": str(got), "want": str(want)}
+
+
+def case_string_inputs_m2(ctx: Any) -> dict[str, Any]:
+    """String inputs through a StringLookup on the first stage."""
+    xs = tf.constant([["a"], ["b"], ["c"], ["d"]] * 8)
+    ys = (np.arange(32, dtype=np.float32)[:, None] / 32)
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((1,), dtype="string", name="x")
+        h = keras.layers.StringLookup(vocabulary=["a", "b", "c"], name="lookup")(inp)
+        h = keras.layers.Embedding(5, 4, name="emb")(h)
+        h = keras.layers.Flatten(name="flat")(h)
+        return keras.Model(inp, keras.layers.Dense(1, name="out")(h))
+
+    def run(model: Any) -> Any:
+        model.compile(optimizer="sgd", loss="mse")
+        return model.fit(xs, ys, batch_size=8, epochs=2, verbose=0, shuffle=False).history
+
+    want = run(build())
+    dm = _pipelined(build, _m(ctx), xs, ctx, cut="lookup")
+    got = run(dm)
+    return {"history_same": _same_history(got, want), "detail": [got, want]}
+
+
+class Router(keras.layers.Layer):  # type: ignore[misc]
+    """A mixture-of-experts router adding a load-balancing loss (Switch Transformer's): the
+    product of the batch's routed fractions and mean probabilities, neither a sum nor a mean."""
+
+    def __init__(self, experts: int = 4, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.gate = keras.layers.Dense(experts, name="gate")
+        self.experts = experts
+
+    def call(self, h: Any) -> Any:
+        probs = keras.ops.softmax(self.gate(h))
+        routed = keras.ops.one_hot(keras.ops.argmax(probs, axis=-1), self.experts)
+        balance = self.experts * keras.ops.sum(keras.ops.mean(routed, 0) * keras.ops.mean(probs, 0))
+        self.add_loss(0.1 * balance)
+        return h * keras.ops.max(probs, axis=-1, keepdims=True)
+
+
+def case_balancing_loss_m1(ctx: Any) -> dict[str, Any]:
+    """A balancing loss neither sum nor mean: at one part per step, plain Keras's numbers; at
+    more, one warning naming the layer (case_balancing_loss_m4)."""
+    x, y = _data()
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(3)
+        inp = keras.Input((8,), name="x")
+        h = keras.layers.Dense(16, activation="tanh", name="d0")(inp)
+        h = Router(name="router")(h)
+        return keras.Model(inp, keras.layers.Dense(3, name="out")(h))
+
+    ref = build()
+    ref.compile(**_compile())
+    want = ref.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False).history
+    dm = _pipelined(build, _m(ctx), x, ctx)
+    dm.compile(**_compile())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = dm.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False).history
+    warned = [str(w.message) for w in caught if "neither a sum nor a mean" in str(w.message)]
+    return {"history_same": _same_history(got, want),
+            "weights_same": _same_weights(dm.get_weights(), ref.get_weights()),
+            "warned": ctx.world.allgather(warned)}
+
+
+case_balancing_loss_m4 = case_balancing_loss_m1
+
+
+class _StopAtEpochEnd(keras.callbacks.Callback):  # type: ignore[misc]
+    """Ends the job between an epoch's last step and its end (a preemption there)."""
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        raise KeyboardInterrupt("stopped before the epoch's end")
+
+
+def case_tfsmp_backup_positions_m2(ctx: Any) -> dict[str, Any]:
+    """tfsmp's BackupAndRestore resumes a backup written after an epoch's last step (before the
+    epoch's end), and one written after the last epoch, with the optimizer's state: the weights
+    and optimizer variables end as an uninterrupted run's."""
+    from tfsmp.checkpoint import BackupAndRestore
+
+    x, y = _data()
+    steps = len(x) // BATCH
+    fit = {"batch_size": BATCH, "verbose": 0, "shuffle": False}
+    whole = _pipelined(_mlp, _m(ctx), x, ctx)
+    whole.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    whole.fit(x, y, epochs=2, **fit)
+    want = whole.get_weights()  # (each _pipelined call re-initializes the runtime)
+    folder = ctx.world.bcast(tempfile.mkdtemp() if ctx.rank == 0 else None, root=0)
+    first = _pipelined(_mlp, _m(ctx), x, ctx)
+    first.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    backup = BackupAndRestore(folder, save_freq=steps, delete_checkpoint=False)
+    try:
+        first.fit(x, y, epochs=2, callbacks=[_StopAtEpochEnd(), backup], **fit)
+    except KeyboardInterrupt:
+        pass
+    second = _pipelined(_mlp, _m(ctx), x, ctx)
+    second.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    resumed = BackupAndRestore(folder, save_freq=steps, delete_checkpoint=False)
+    second.fit(x, y, epochs=2, callbacks=[resumed], **fit)
+    resumed_same = _same_weights(second.get_weights(), want)  # before reinit frees its comm
+    third = _pipelined(_mlp, _m(ctx), x, ctx)  # the backup now covers both epochs
+    third.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    third.fit(x, y, epochs=2, callbacks=[BackupAndRestore(folder, delete_checkpoint=False)], **fit)
+    return {"first_position": backup.restored_position,
+            "resumed_from": resumed.restored_position,
+            "resumed_same": resumed_same,
+            "covered_same": _same_weights(third.get_weights(), want),
+            "covered_iterations": int(third.optimizer.iterations.numpy()),
+            "steps": steps}

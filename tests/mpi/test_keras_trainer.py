@@ -1,0 +1,116 @@
+"""Keras's own trainer drives the pipeline: callbacks, metrics, data, saving, recompiling equal plain Keras.
+
+One launch on 2 ranks (cases in `scripts/trainer_cases.py`, the stage cut after the first
+layer), each case a kind of failure of the trainer tfsmp wrote itself before issue 26. Weights,
+History and evaluate are compared at rtol 1e-5, atol 1e-6 (float32).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from tests.mpihelp import SCRIPTS, assert_ok, case_results, run_cases
+
+pytestmark = pytest.mark.mpi
+CASES = ["case_callbacks_m2", "case_shuffled_arrays_m2", "case_pydataset_shuffled_m2",
+         "case_dataset_steps_per_epoch_m2", "case_metric_per_batch_m4",
+         "case_freeze_and_recompile_m2", "case_save_keras_file_m2",
+         "case_optimizer_state_everywhere_m2", "case_refusals_m4", "case_swap_ema_weights_m2",
+         "case_terminate_on_nan_m2", "case_string_inputs_m2", "case_balancing_loss_m1",
+         "case_balancing_loss_m4", "case_tfsmp_backup_positions_m2"]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, Any]:
+    found = run_cases(2, SCRIPTS / "trainer_cases.py", CASES, timeout=900)
+    assert_ok(found)
+    return found
+
+
+def _untagged(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: re.sub(r"\[rank \d \| pp_rank \d\] ", "", v) if isinstance(v, str) else v
+            for k, v in r.items()}
+
+
+def _both(results: dict[str, Any], case: str) -> dict[str, Any]:
+    a, b = (_untagged(r) for r in case_results(results, case))
+    assert a == b, (a, b)  # every rank reports the same
+    return a
+
+
+def test_callbacks_get_keras_hooks_and_logs_and_metrics_on_every_rank(results: dict) -> None:
+    r = _both(results, "case_callbacks_m2")
+    assert r["calls_same"], r["detail"]
+    assert r["later_same"] and r["history_same"] and r["evaluate_same"] and r["metrics_same"], r
+    assert r["train_end"] == ["train_end['loss', 'mae', 'val_loss', 'val_mae']"]
+
+
+@pytest.mark.parametrize("case", ["case_shuffled_arrays_m2", "case_pydataset_shuffled_m2",
+                                  "case_dataset_steps_per_epoch_m2", "case_metric_per_batch_m4"])
+def test_data_and_metrics_follow_keras(results: dict, case: str) -> None:
+    r = _both(results, case)
+    assert r["history_same"], r["detail"]
+    assert r["weights_same"]
+
+
+def test_dataset_with_steps_per_epoch_loses_no_batch(results: dict) -> None:
+    assert _both(results, "case_dataset_steps_per_epoch_m2")["steps"] == [3]
+
+
+def test_freezing_and_recompiling_trains_the_new_set(results: dict) -> None:
+    assert _both(results, "case_freeze_and_recompile_m2")["weights_same"]
+
+
+def test_saved_keras_file_keeps_compile_and_optimizer_state(results: dict) -> None:
+    r = _both(results, "case_save_keras_file_m2")
+    assert r["evaluate_same"] and r["optimizer_same"], r
+    assert r["iterations"] == 3
+
+
+def test_optimizer_iterations_and_lr_read_alike_on_a_rank_with_nothing_to_train(
+        results: dict) -> None:
+    r = _both(results, "case_optimizer_state_everywhere_m2")
+    assert r["seen"] == [[1, 0.05], [2, 0.025], [3, 0.0125]]
+
+
+def test_what_a_pipeline_cannot_train_is_refused_before_training(results: dict) -> None:
+    r = _both(results, "case_refusals_m4")
+    assert r["apply_override"].startswith("StepError: An optimizer that overrides apply()"), r
+    assert "Received: GlobalNormSGD.apply with partitions=2. Override update_step()" in \
+        r["apply_override"]
+    assert "Received: stateful layer(s) ['lstm'] with 4 parts per batch" in r["stateful_rnn"], r
+
+
+def test_swap_ema_weights_validates_on_the_moving_averages(results: dict) -> None:
+    r = _both(results, "case_swap_ema_weights_m2")
+    assert r["history_same"], r["detail"]
+
+
+def test_terminate_on_nan_stops_training_as_in_keras(results: dict) -> None:
+    r = _both(results, "case_terminate_on_nan_m2")
+    assert r["got"] == r["want"] == "{'loss': [nan]}"
+
+
+def test_string_inputs_train_through_a_lookup_on_the_first_stage(results: dict) -> None:
+    assert _both(results, "case_string_inputs_m2")["history_same"]
+
+
+def test_a_balancing_loss_is_exact_at_one_part_and_warned_once_at_more(results: dict) -> None:
+    one = _both(results, "case_balancing_loss_m1")
+    assert one["history_same"] and one["weights_same"] and one["warned"] == [[], []]
+    more = _both(results, "case_balancing_loss_m4")
+    warned = [w for rank in more["warned"] for w in rank]
+    assert len(warned) == 1, warned
+    assert "Layer(s) ['router'] add a loss that is neither a sum nor a mean" in warned[0]
+
+
+def test_tfsmp_backups_at_an_epochs_last_step_and_after_the_last_epoch_resume(
+        results: dict) -> None:
+    r = _both(results, "case_tfsmp_backup_positions_m2")
+    assert r["first_position"] is None
+    assert r["resumed_from"] == {"epoch": 0, "step": r["steps"]}
+    assert r["resumed_same"] and r["covered_same"], r
+    assert r["covered_iterations"] == 2 * r["steps"]  # the optimizer's state came back too

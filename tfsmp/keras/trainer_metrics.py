@@ -1,0 +1,142 @@
+"""Keras's own metric objects on a pipelined model: updated from the last stage, equal on every rank.
+
+Example (what `TrainerSteps` does after each pipelined step)::
+
+    logs = TrainerMetrics(model).after_step(view, result, x, y, sample_weight)
+    model.get_metrics_result() == logs          # on every rank
+
+[Note: metrics on every rank] Keras's trainer reads its metric objects (``model.metrics``:
+the loss tracker, each output's loss, the compiled metrics) for the logs of every batch and
+epoch, and callbacks and user code read them on whatever rank they run. So every rank holds
+the same metric state, and it is Keras's state for the whole global batch:
+
+* the loss tracker and the per-output loss trackers get the step's loss values, which every
+  rank already has (the step's report), with the batch's size as weight, as Keras does;
+* the compiled metrics are updated once per step with the whole global batch, on the last
+  stage's ranks: their outputs are concatenated over microbatches and, with several
+  data-parallel replicas, gathered over replicas in batch order. Updating per microbatch or per
+  replica and summing states would be wrong for a metric function that returns one value per
+  batch (a Mean of per-call values) or any metric whose state is not a sum over rows;
+* the last stage's rank then sends the compiled metrics' variables to the other pipeline
+  ranks (one small broadcast), which build the same metric objects from the outputs' shapes at
+  the first step and assign the values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from keras.src.backend import get_keras_mask, set_keras_mask
+
+from tfsmp.runtime import microbatch as mbatch
+
+__all__ = ["TrainerMetrics", "replica_outputs"]
+
+Output = tuple[np.ndarray, "np.ndarray | None"]  # an output's values and its Keras mask
+
+
+def _concat(parts: list[list[Output]]) -> list[Output]:
+    out: list[Output] = []
+    for j in range(len(parts[0])):
+        values = np.concatenate([p[j][0] for p in parts])
+        masks = [p[j][1] for p in parts]
+        mask: np.ndarray | None = None
+        if all(m is not None for m in masks):
+            mask = np.concatenate([m for m in masks if m is not None])
+        out.append((values, mask))
+    return out
+
+
+def replica_outputs(view: Any, result: Any) -> list[Output] | None:
+    """On the last stage's ranks: the model outputs (with their masks) of every replica's rows
+    of the step's global batch, in batch order; None on the other ranks. A collective of the
+    last stage's data-parallel group."""
+    if not view.is_last_rank:
+        return None
+    parts = [[(np.asarray(t), _mask(t)) for t in result.outputs[i]]
+             for i in sorted(result.outputs)]
+    local = _concat(parts) if parts else None
+    if view.data_size > 1:
+        gathered = [g for g in view.groups.data.allgather_obj(local) if g is not None]
+        return _concat(gathered) if gathered else None
+    return local
+
+
+def _mask(t: Any) -> np.ndarray | None:
+    m = get_keras_mask(t)
+    return None if m is None else np.asarray(m)
+
+
+class TrainerMetrics:
+    """Updates a `DistributedModel`'s Keras metrics after each step ([Note: metrics on every
+    rank])."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._update_fn: Any = None
+
+    def after_step(self, view: Any, result: Any, x: Any, y: Any, sw: Any) -> dict[str, Any]:
+        """Updates every metric with the step that just ran; returns Keras's logs."""
+        model = self.model
+        rows = mbatch.batch_size_of(x)
+        model.loss_tracker().update_state(result.loss, sample_weight=rows)
+        for metric, value in zip(model.compiled_loss_metrics(), result.term_values):
+            metric.update_state(value, sample_weight=rows)
+        self._update_compiled(view, result, y, sw)
+        logs: dict[str, Any] = model.get_metrics_result()
+        return logs
+
+    def _update_compiled(self, view: Any, result: Any, y: Any, sw: Any) -> None:
+        compiled = self.model.compiled_metrics_object()
+        if compiled is None or y is None:
+            return
+        outputs = replica_outputs(view, result)
+        if outputs is not None:
+            if not compiled.built:
+                compiled.build(y, self._pack([v for v, _ in outputs]))
+            self._update(y, outputs, sw)
+        payload = None
+        if view.is_last_rank and outputs is not None:
+            payload = ([(v.shape, v.dtype.str) for v, _ in outputs],
+                       [np.asarray(v) for v in compiled.variables])
+        if view.groups.pipeline.size == 1:
+            return
+        payload = view.groups.pipeline.bcast_obj(payload, root=view.last_rank)
+        if view.is_last_rank or payload is None:
+            return
+        specs, values = payload
+        if not compiled.built:  # the same objects as the last stage's: built from its shapes
+            compiled.build(y, self._pack([np.zeros(s, dtype=d) for s, d in specs]))
+        for variable, value in zip(compiled.variables, values):
+            variable.assign(value)
+
+    def ensure_built(self, engine: Any, x: Any, y: Any) -> None:
+        """Builds the compiled metrics from the outputs' shapes without a step (an epoch a
+        resumed fit passes over entirely still reports Keras's logs)."""
+        compiled = self.model.compiled_metrics_object()
+        if compiled is None or compiled.built or y is None:
+            return
+        graph = engine.view.traced.graph
+        dtypes = [graph.tensors[k].dtype for k in engine.view.traced.output_keys]
+        zeros = [np.zeros([1 if d is None else d for d in shape], dtype=dtype)
+                 for shape, dtype in zip(engine.output_shapes(x), dtypes)]
+        compiled.build(y, self._pack(zeros))
+
+    def _pack(self, flat: list[Any]) -> Any:
+        return self.model.rank_view_or_raise().traced.pack_outputs(
+            [tf.convert_to_tensor(v) for v in flat])
+
+    def _update(self, y: Any, outputs: list[Output], sw: Any) -> None:
+        if self._update_fn is None:
+            self._update_fn = tf.function(self._update_graph, reduce_retracing=True)
+        values = [tf.convert_to_tensor(v) for v, _ in outputs]
+        masks = [None if m is None else tf.convert_to_tensor(m) for _, m in outputs]
+        self._update_fn(y, values, masks, sw)
+
+    def _update_graph(self, y: Any, values: list[Any], masks: list[Any], sw: Any) -> None:
+        for t, m in zip(values, masks):
+            if m is not None:
+                set_keras_mask(t, m)  # a compiled function's arguments carry no Keras mask
+        self.model.compiled_metrics_object().update_state(y, self._pack(values), sw)

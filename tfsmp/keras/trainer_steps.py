@@ -1,0 +1,224 @@
+"""The step functions Keras's own trainer calls on a `DistributedModel`: one pipelined step a batch.
+
+Example (what `DistributedModel.make_train_function` installs; Keras's `fit` calls it)::
+
+    steps = TrainerSteps(model)
+    model.train_function = steps.train        # logs = model.train_function(iterator)
+    model.test_function = steps.test
+    model.predict_function = steps.predict    # outputs = model.predict_function([batch, ...])
+
+[Note: Keras's trainer drives] `DistributedModel` has no loop of its own: Keras's `fit`,
+`evaluate`, `predict`, `train_on_batch`, ... run as written (data adapters, shuffling,
+`steps_per_epoch`, callbacks, History, validation, `stop_training`, progress bar), and call the
+functions Keras's TensorFlow trainer makes with `make_train_function` and its siblings. Those
+are replaced here by Python functions (MPI calls cannot live in a graph) that, per batch Keras
+hands them: agree with every rank that all have a batch and that it is the same batch
+([Note: replicas run out together], [Note: same batch on every rank] in tfsmp/keras/data.py),
+run the pipelined step of the whole batch ([Note: one owner of the step] in
+tfsmp/runtime/engine.py), and update Keras's own metric objects so that every rank holds the
+same metric state ([Note: metrics on every rank] in tfsmp/keras/trainer_metrics.py). They
+return what Keras's functions return: the logs (``get_metrics_result()``) or the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorflow as tf
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from tfsmp.errors import StepError
+from tfsmp.keras import trainer_metrics
+from tfsmp.keras.data import batch_digest, different_ranks, same_batch_error
+
+if TYPE_CHECKING:
+    from tfsmp.keras.model import DistributedModel
+
+__all__ = ["TrainerSteps", "agree_finished"]
+
+_EXHAUSTED = (StopIteration, tf.errors.OutOfRangeError)
+
+
+def _numpy(structure: Any) -> Any:
+    """Tensors of a batch as NumPy arrays (a CPU tensor's ``.numpy()`` shares its buffer)."""
+    return tf.nest.map_structure(
+        lambda t: t.numpy() if isinstance(t, tf.Tensor) else t, structure)
+
+
+def _unpack(data: Any) -> tuple[Any, Any, Any]:
+    x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(_numpy(data))
+    return x, y, sw
+
+
+def _agree(model: DistributedModel, batch: Any, phase: str,
+           error: BaseException | None = None) -> bool:
+    """[Note: replicas run out together] One small allgather before every step: whether every
+    rank has a batch, which phase each rank is in, and each batch's digest. Returns whether all
+    ranks have one (False: all ran out together).
+
+    Raises:
+        StepError: on every rank alike, when some ranks ran out and others did not, ranks are
+            in different phases (one evaluates while another trains), or the batches differ.
+        Exception: ``error``, the one this rank met reading its batch; its peers raise a
+            StepError that names it (a rank that cannot read its data ends the step everywhere).
+    """
+    state = model.runtime_state()
+    world = state.comm.world
+    failed = None if error is None else f"{type(error).__name__}: {error}".splitlines()[0]
+    mine = (phase, batch is not None, None if batch is None else batch_digest(batch), failed)
+    everyone = world.allgather_obj(mine)
+    tag = f"[{state.tag()}]"
+    failures = [(r, e) for r, (*_, e) in enumerate(everyone) if e is not None]
+    if failures:
+        if error is not None:
+            raise error
+        r, what = failures[0]
+        raise StepError(
+            f"{tag} Every rank must read its next batch. Received: rank {r} failed reading its "
+            f"batch in {phase} ({what}). Fix the data on that rank (its own message says how).")
+    got = [(p, h, d) for p, h, d, _ in everyone]
+    where = _where(model, phase)
+    phases = sorted({p for p, _, _ in got})
+    if len(phases) > 1:
+        where = ", ".join(f"rank {r}: {p}" for r, (p, _, _) in enumerate(got))
+        raise StepError(
+            f"{tag} Every rank must run the same steps of fit, evaluate and predict. Received: "
+            f"ranks in different phases ({where}), which happens when their data yields "
+            f"different numbers of batches. Give every rank the same data (seeded alike), or "
+            f"pass steps_per_epoch=/steps= no larger than the shortest.")
+    have = [h for _, h, _ in got]
+    if all(have):
+        digests = [d for _, _, d in got]
+        if different_ranks(digests, list(world.ranks)):
+            raise same_batch_error(tag, digests, list(world.ranks), where)
+        return True
+    if any(have):
+        short = [r for r, h in enumerate(have) if not h]
+        replicas = sorted({state.topology.data_rank_of(r) for r in short})
+        raise StepError(
+            f"{tag} Every rank's dataset must yield the same number of batches. Received: "
+            f"rank(s) {short} (data replica(s) {replicas}) ran out of data {where} while the "
+            f"others had a batch. Give every rank the same dataset (seeded alike), or pass "
+            f"steps_per_epoch= no larger than the shortest one.")
+    return False
+
+
+def _where(model: DistributedModel, phase: str) -> str:
+    """Where a step of ``phase`` is, for messages: fit's epoch and step, else the phase."""
+    if phase != "fit":
+        return f"in {phase}"
+    from tfsmp.checkpoint.fit_resume import current_position
+
+    position = current_position(model) or {"epoch": 0, "step": 0}
+    return f"at step {position['step']} of epoch {position['epoch']}"
+
+
+def agree_finished(model: DistributedModel, phase: str) -> None:
+    """After Keras's loop of ``phase`` ends on this rank: every rank ended it too (a rank whose
+    data had more batches would otherwise wait in its next step for ever)."""
+    if model.rank_view is None and not model.runtime_state().comm.world.size > 1:
+        return
+    _agree(model, None, phase)
+
+
+class TrainerSteps:
+    """The functions Keras's trainer calls, for one `DistributedModel`. See the module docstring."""
+
+    def __init__(self, model: DistributedModel) -> None:
+        self.model = model
+        self.metrics = trainer_metrics.TrainerMetrics(model)
+
+    # -- data -----------------------------------------------------------------------------------
+
+    def _next(self, iterator: Iterator[Any], phase: str) -> Any | None:
+        """The next batch every rank agrees on (None: every rank ran out)."""
+        data, error = None, None
+        try:
+            data = next(iterator)
+        except _EXHAUSTED:
+            pass
+        except Exception as e:  # every rank learns of it in the agreement, and stops alike
+            error = e
+        if not _agree(self.model, data, phase, error):
+            return None
+        return data
+
+    def _skip_resumed(self, iterator: Iterator[Any]) -> None:
+        """[Note: exact resume] in tfsmp/checkpoint/fit_resume.py: the batches of a resumed epoch
+        that the interrupted run had trained on are read and passed over (the model is
+        partitioned with the first of them, so a backup that covers a whole epoch resumes)."""
+        skip = self.model.take_resume_skip()
+        for _ in range(skip):
+            data = self._next(iterator, "fit")
+            if data is None:
+                return
+            x, y, _ = _unpack(data)
+            self.metrics.ensure_built(self.model.engine_for(x), x, y)
+
+    # -- train / test -----------------------------------------------------------------------------
+
+    def train(self, iterator: Iterator[Any]) -> dict[str, Any]:
+        """Keras's ``train_function``: ``steps_per_execution`` steps, the last one's logs."""
+        self._skip_resumed(iterator)
+        return self._run(iterator, "fit", self._train_batch)
+
+    def test(self, iterator: Iterator[Any]) -> dict[str, Any]:
+        """Keras's ``test_function``."""
+        return self._run(iterator, "evaluate", self._test_batch)
+
+    def _run(self, iterator: Iterator[Any], phase: str, one: Any) -> dict[str, Any]:
+        logs: dict[str, Any] | None = None
+        for _ in range(max(int(self.model.steps_per_execution or 1), 1)):
+            data = self._next(iterator, phase)
+            if data is None:
+                break
+            logs = one(*_unpack(data))
+        if logs is None:
+            raise StopIteration  # Keras's epoch iterator ends the epoch, on every rank alike
+        return logs
+
+    def _train_batch(self, x: Any, y: Any, sw: Any) -> dict[str, Any]:
+        model = self.model
+        engine = model.engine_for(x)
+        if y is None:  # every rank sees the same batch, so every rank raises, before any message
+            raise StepError(
+                f"[{model.runtime_state().tag()}] The loss needs targets. Received: y=None. "
+                f"Pass y to fit(), or yield (x, y) pairs from the dataset.")
+        engine.nonfinite = model.nonfinite_mode()
+        result = engine.train_step(x, y, sw)  # the global batch: [Note: one owner of the step]
+        return self.metrics.after_step(engine.view, result, x, y, sw)
+
+    def _test_batch(self, x: Any, y: Any, sw: Any) -> dict[str, Any]:
+        engine = self.model.engine_for(x)
+        result = engine.evaluate(x, y, sw)
+        return self.metrics.after_step(engine.view, result, x, y, sw)
+
+    # -- predict ----------------------------------------------------------------------------------
+
+    def predict(self, data: list[Any]) -> Any:
+        """Keras's ``predict_function``: the outputs of a list of batches, on every rank."""
+        chunks = []
+        for element in data:
+            x = _unpack(element)[0]
+            _agree(self.model, x, "predict")
+            chunks.append(self.forward(x))
+        flat = [np.concatenate([c[j] for c in chunks]) for j in range(len(chunks[0]))]
+        # tensors, as Keras's predict function returns (its predict calls .numpy() on them)
+        return self.model.rank_view_or_raise().traced.pack_outputs(
+            [tf.convert_to_tensor(v) for v in flat])
+
+    def forward(self, x: Any) -> list[np.ndarray]:
+        """Pipelined forward of a global batch; its merged outputs (NumPy) on every rank."""
+        engine = self.model.engine_for(x)
+        _, result = engine.forward(x)
+        return gather_outputs(engine.view, result)
+
+
+def gather_outputs(view: Any, result: Any) -> list[np.ndarray]:
+    """The outputs of every replica's rows, in batch order, on every rank."""
+    flat = trainer_metrics.replica_outputs(view, result)
+    got: list[np.ndarray] = view.groups.pipeline.bcast_obj(
+        None if flat is None else [a for a, _ in flat], root=view.last_rank)
+    return got
