@@ -32,6 +32,7 @@ from typing import Any
 
 from tfsmp import failure
 from tfsmp.comm.base import Comm, Group, waitall
+from tfsmp.comm.calls import collective_label
 from tfsmp.config import Config, load_config
 from tfsmp.errors import CommError, ConfigError, TfsmpError
 from tfsmp.topology import Topology, select_gpu
@@ -421,6 +422,7 @@ def to_world_rank(peer: int, rank_type: RankType) -> int:
     return peer
 
 
+@collective_label("smp.send")
 def send(obj: Any, dest_rank: int, rank_type: RankType = RankType.WORLD_RANK) -> None:
     """Sends a picklable object; returns once the matching `recv_from` was posted.
 
@@ -439,6 +441,7 @@ def send(obj: Any, dest_rank: int, rank_type: RankType = RankType.WORLD_RANK) ->
     state().comm.user_world.isend_obj(obj, dest, _USER_TAG, sync=True).wait()
 
 
+@collective_label("smp.recv_from")
 def recv_from(src_rank: int, rank_type: RankType = RankType.WORLD_RANK) -> Any:
     """Receives the next object that `src_rank` sent to me with `send` or `broadcast`."""
     src = to_world_rank(src_rank, rank_type)
@@ -448,6 +451,7 @@ def recv_from(src_rank: int, rank_type: RankType = RankType.WORLD_RANK) -> Any:
     return state().comm.user_world.recv_obj(src, _USER_TAG)
 
 
+@collective_label("smp.broadcast")
 def broadcast(obj: Any, group: CommGroup = CommGroup.WORLD) -> None:
     """Sends `obj` to every other member of `group`; they call `recv_from(my rank, ...)`.
 
@@ -458,11 +462,13 @@ def broadcast(obj: Any, group: CommGroup = CommGroup.WORLD) -> None:
     waitall(reqs)
 
 
+@collective_label("smp.allgather")
 def allgather(obj: Any, group: CommGroup = CommGroup.WORLD) -> list[Any]:
     """Returns every member's `obj`; element i comes from the i-th rank of `group`."""
     return _user_group(group).allgather_obj(obj)
 
 
+@collective_label("smp.barrier")
 def barrier(group: CommGroup = CommGroup.WORLD) -> None:
     """Returns once every member of `group` reached the barrier."""
     _user_group(group).barrier()

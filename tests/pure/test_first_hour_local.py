@@ -136,11 +136,23 @@ def test_tensorflow_start_up_lines_are_dropped_tagged_or_not() -> None:
     assert tf_logs_wanted({"TFSMP_TF_LOGS": "1"}) and not tf_logs_wanted({})
 
 
-def test_the_exit_box_is_dropped_only_after_a_setup_error() -> None:
+ABORT_BOXES = [
+    BOX[0], "MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD\n",
+    "  Proc: [[8248,1],1]\n", "  Errorcode: 1\n", "\n",
+    "NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.\n", BOX[0],
+    BOX[0], "prterun has exited due to process rank 1 with PID 0 on node vm calling\n",
+    "\"abort\". This may have caused other processes in the application to be\n", BOX[0]]
+UNREACH = "[vm:17434] PMIX ERROR: PMIX_ERR_UNREACH in file /openmpi-5.0.11/3rd-party/x.c at 3\n"
+
+
+def test_the_exit_box_is_dropped_only_after_a_rank_reported() -> None:
     error = TAG0 + "[rank 0 | init] ConfigError: Unknown parameter 'partitons'.\n"
     assert _through(OutputFilter(), [error, *BOX]) == [error]
-    crash = TAG0 + "[rank 0 | pp_rank 0] ValueError: boom\n"
-    assert _through(OutputFilter(), [crash, *BOX]) == [crash, *BOX]
+    crash = TAG0 + "[rank 0 | pp_rank 0] StepError: waited more than stall_timeout=5.0s\n"
+    assert _through(OutputFilter(), [crash, UNREACH, *BOX]) == [crash]
+    assert _through(OutputFilter(), [crash, *ABORT_BOXES]) == [crash]
+    untagged = TAG0 + "ValueError: boom\n"  # a script's own output: nothing said it yet
+    assert _through(OutputFilter(), [untagged, UNREACH, *BOX]) == [untagged, UNREACH, *BOX]
     other_box = [BOX[0], "Some other Open MPI message\n", BOX[0]]
     assert _through(OutputFilter(), [error, *other_box]) == [error, *other_box]
 

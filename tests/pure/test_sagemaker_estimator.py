@@ -206,6 +206,13 @@ def test_without_a_traceback_the_first_rank_to_exit_is_named() -> None:
     assert find_failure(log).rank == 3 and find_failure(log).error == ""
 
 
+def test_a_tfsmp_error_after_init_is_its_one_line() -> None:
+    log = ["[1,1]<stderr>: [rank 1 | pp_rank 1] StepError: fit needs a loss and an optimizer.",
+           "   Process name: [prterun-vm-8002@1,1]", "   Exit code:    1"]
+    assert (find_failure(log).rank, find_failure(log).error) == (
+        1, "StepError: fit needs a loss and an optimizer.")
+
+
 def test_untagged_logs_of_plain_jobs() -> None:
     log = ["Traceback (most recent call last):", '  File "t.py", line 1', "KeyError: 'x'"]
     assert (find_failure(log).rank, find_failure(log).error) == (None, "KeyError: 'x'")

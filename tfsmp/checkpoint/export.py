@@ -33,6 +33,7 @@ import numpy as np
 
 from tfsmp.checkpoint import checksum, keras_h5, keras_optimizer
 from tfsmp.checkpoint.keras_h5 import Entry, H5Layout
+from tfsmp.comm import collective_label
 from tfsmp.errors import CheckpointError
 
 __all__ = ["apply_pending", "load_weights", "save", "save_model", "save_weights"]
@@ -301,6 +302,7 @@ def _root_finish(dm: Any, layout: H5Layout, owners: dict[int, int], target: str,
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+@collective_label("DistributedModel.save_weights")
 def save_weights(dm: Any, filepath: str, overwrite: bool = True) -> None:
     """Writes a standard Keras ``.weights.h5`` of the whole model (every rank calls).
 
@@ -329,6 +331,7 @@ def save_weights(dm: Any, filepath: str, overwrite: bool = True) -> None:
     _collective_write(dm, str(path), overwrite, finish, optimizer=True, attrs=attrs)
 
 
+@collective_label("DistributedModel.save")
 def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
     """`DistributedModel.save`: ``.keras`` (whole model), ``.weights.h5`` (weights) or
     ``.h5``/``.hdf5`` (Keras's legacy HDF5 model file, as ``keras.Model.save`` writes it).
@@ -432,6 +435,7 @@ def _check_weights_path(path: str) -> None:
             f"The weights file must exist. Received: filepath={path!r}. Check the path.")
 
 
+@collective_label("DistributedModel.load_weights")
 def load_weights(dm: Any, filepath: str, skip_mismatch: bool = False) -> None:
     """Loads a Keras ``.weights.h5``/``.keras`` file; each rank reads only its own variables.
 
@@ -656,6 +660,7 @@ def _serving_signature(dm: Any, model: keras.Model) -> list[Any] | None:
     return [specs[0]] if len(specs) == 1 else [specs]
 
 
+@collective_label("smp.save_model")
 def save_model(dm: Any, save_path: str = "/opt/ml/model") -> None:
     """SMP's `save_model`: the whole unpartitioned model as a TensorFlow SavedModel.
 

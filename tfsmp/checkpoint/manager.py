@@ -27,6 +27,7 @@ import keras
 from tfsmp.checkpoint import format as fmt
 from tfsmp.checkpoint import store
 from tfsmp.checkpoint.checksum import CorruptFileError
+from tfsmp.comm import collective_label
 from tfsmp.errors import CheckpointError
 
 __all__ = ["CheckpointManager"]
@@ -136,6 +137,7 @@ class CheckpointManager:
                    for p in self.checkpoints]
         return max(numbers, default=0) + 1
 
+    @collective_label("CheckpointManager.save")
     def save(self, checkpoint_number: int | None = None, position: dict[str, Any] | None = None
              ) -> str:
         """Writes ``<directory>/<checkpoint_name>-<N>``; every rank calls it.
@@ -157,6 +159,7 @@ class CheckpointManager:
                                 position=position, max_to_keep=self._max_to_keep,
                                 prefix=self._name)
 
+    @collective_label("CheckpointManager.restore")
     def restore(self, restore_prefix: str | None = None) -> str | None:
         """Restores ``restore_prefix`` (a name like ``"ckpt-2"`` or a path; None: the latest).
 

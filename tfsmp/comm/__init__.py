@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tfsmp.comm.base import REDUCE_OPS, Comm, Group, Request, waitall
+from tfsmp.comm.calls import collective_label
 from tfsmp.comm.local import create_local_comms
 
 if TYPE_CHECKING:
     from tfsmp.topology import Topology
 
-__all__ = ["REDUCE_OPS", "Comm", "Group", "Request", "create_local_comms", "create_mpi_comm",
-           "waitall"]
+__all__ = ["REDUCE_OPS", "Comm", "Group", "Request", "collective_label", "create_local_comms",
+           "create_mpi_comm", "waitall"]
 
 
 def create_mpi_comm(topology: Topology) -> Comm:

@@ -59,6 +59,8 @@ class Group(abc.ABC):
     rank: int          # my index in the group
     size: int
     ranks: list[int]   # global (world) ranks, in group order
+    index: int = 7     # which of a Comm's groups (tfsmp.comm.calls.GROUP_NAMES); set by Comm
+    calls: int = 0     # collective calls so far ([Note: who arrived] in tfsmp/comm/calls.py)
 
     @abc.abstractmethod
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
@@ -132,6 +134,10 @@ class Comm:
     local_size: int = 1
     tag_ub: int = 2**31 - 1
     _abort: Callable[[int], None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for index, group in enumerate(self.groups()):
+            group.index = index
 
     def abort(self, code: int = 1) -> None:
         """Ends every rank of the job (MPI_Abort); in the local backend wakes every waiter."""

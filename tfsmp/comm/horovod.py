@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 
 from tfsmp.comm.base import Group, check_buffer
+from tfsmp.comm.calls import GROUP_NAMES
+from tfsmp.comm.watchdog import watched
 from tfsmp.errors import CommError, ConfigError
 
 __all__ = ["HorovodReducer", "horovod_installed", "init_horovod", "require_horovod"]
@@ -57,10 +59,14 @@ class HorovodReducer:
         grads = reducer.grouped_allreduce(grads, average=True)
     """
 
-    def __init__(self, hvd: Any, mpi_comm: Any) -> None:
+    index = GROUP_NAMES.index("horovod")  # for the watchdog: [Note: watched collectives]
+
+    def __init__(self, hvd: Any, mpi_comm: Any, ranks: Sequence[int] = ()) -> None:
         self.hvd = hvd
         self._mpi_comm = mpi_comm
         self._count = 0
+        self.ranks = list(ranks)   # the data-parallel group's world ranks
+        self.calls = 0
 
     @property
     def size(self) -> int:
@@ -75,13 +81,15 @@ class HorovodReducer:
                           name: str | None = None) -> list[Any]:
         """Reduces a list of tensors in one fused Horovod operation."""
         op = self.hvd.Average if average else self.hvd.Sum
-        return list(self.hvd.grouped_allreduce(list(tensors), op=op, name=self._name(name)))
+        with watched(self, "grouped_allreduce"):
+            return list(self.hvd.grouped_allreduce(list(tensors), op=op, name=self._name(name)))
 
     def allreduce_(self, buf: np.ndarray) -> None:
         """Sums a numpy buffer over the group, in place (the mpi backend's `allreduce_` contract)."""
         check_buffer(buf, writable=True)
-        out = self.hvd.allreduce(buf, op=self.hvd.Sum, name=self._name(None))
-        buf[...] = np.asarray(out)
+        with watched(self, "allreduce_"):
+            out = self.hvd.allreduce(buf, op=self.hvd.Sum, name=self._name(None))
+            buf[...] = np.asarray(out)
 
     def shutdown(self) -> None:
         """Stops Horovod's background thread and frees its communicator."""
@@ -120,7 +128,7 @@ def init_horovod(data: Group) -> HorovodReducer:
                         f"hvd.rank()={hvd.rank()}, hvd.size()={hvd.size()}, dp_rank={data.rank}, "
                         f"dp_size={data.size}. Fix: do not call hvd.init() before tfsmp.init().")
     _keras3_broadcast_compat(hvd)
-    return HorovodReducer(hvd, hvd_comm)
+    return HorovodReducer(hvd, hvd_comm, data.ranks)
 
 
 def _keras3_broadcast_compat(hvd: Any) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tfsmp.comm.base import REDUCE_OPS, Comm, Group, check_buffer
+from tfsmp.comm.watchdog import watched
 from tfsmp.errors import CommError
 
 if TYPE_CHECKING:
@@ -29,15 +30,20 @@ def world_size() -> int:
 
 
 class MpiRequest:
-    """Wraps an `MPI.Request` with the seam's `wait()`/`test()`."""
+    """Wraps an `MPI.Request` with the seam's `wait()`/`test()`; a synchronous object send
+    also carries its group and destination, so its `wait()` is watched."""
 
-    __slots__ = ("req",)
+    __slots__ = ("dest", "group", "req")
 
-    def __init__(self, req: Any) -> None:
-        self.req = req
+    def __init__(self, req: Any, group: Group | None = None, dest: int = 0) -> None:
+        self.req, self.group, self.dest = req, group, dest
 
     def wait(self) -> None:
-        self.req.Wait()
+        if self.group is None:
+            self.req.Wait()
+            return
+        with watched(self.group, "send_obj (synchronous)", peer=self.dest):
+            self.req.Wait()
 
     def test(self) -> bool:
         return bool(self.req.Test())
@@ -81,38 +87,48 @@ class MpiGroup(Group):
 
     def isend_obj(self, obj: Any, dest: int, tag: int = 0, *, sync: bool = False) -> MpiRequest:
         self.check_peer(dest, "dest")
-        send = self.mpi_comm.issend if sync else self.mpi_comm.isend
-        return MpiRequest(send(obj, dest=dest, tag=tag))
+        if sync:
+            return MpiRequest(self.mpi_comm.issend(obj, dest=dest, tag=tag), self, dest)
+        return MpiRequest(self.mpi_comm.isend(obj, dest=dest, tag=tag))
 
     def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:
         self.check_peer(dest, "dest")
-        self.mpi_comm.send(obj, dest=dest, tag=tag)
+        with watched(self, "send_obj", peer=dest):  # a large message waits for its receiver
+            self.mpi_comm.send(obj, dest=dest, tag=tag)
+
+    # Every blocking call below runs under the watchdog: [Note: watched collectives].
 
     def recv_obj(self, source: int, tag: int = 0) -> Any:
         self.check_peer(source, "source")
-        return self.mpi_comm.recv(source=source, tag=tag)
+        with watched(self, "recv_obj", peer=source):
+            return self.mpi_comm.recv(source=source, tag=tag)
 
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
         self.check_peer(root, "root")
-        return self.mpi_comm.bcast(obj, root=root)
+        with watched(self, "bcast_obj"):
+            return self.mpi_comm.bcast(obj, root=root)
 
     def allgather_obj(self, obj: Any) -> list[Any]:
-        return list(self.mpi_comm.allgather(obj))
+        with watched(self, "allgather_obj"):
+            return list(self.mpi_comm.allgather(obj))
 
     def barrier(self) -> None:
-        self.mpi_comm.Barrier()
+        with watched(self, "barrier"):
+            self.mpi_comm.Barrier()
 
     def allreduce_(self, buf: np.ndarray) -> None:
         check_buffer(buf, writable=True)
         MPI = mpi()
-        self.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        with watched(self, "allreduce_"):
+            self.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
     def allreduce_obj(self, obj: Any, op: str = "sum") -> Any:
         MPI = mpi()
         ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "and": MPI.LAND, "or": MPI.LOR}
         if op not in REDUCE_OPS:
             raise CommError(f"op must be one of {sorted(REDUCE_OPS)}. Received: op={op!r}")
-        return self.mpi_comm.allreduce(obj, op=ops[op])
+        with watched(self, "allreduce_obj"):
+            return self.mpi_comm.allreduce(obj, op=ops[op])
 
     def free(self) -> None:
         MPI = mpi()

@@ -13,8 +13,9 @@ __all__ = ["Failure", "find_failure"]
 _TAGGED = re.compile(TAG_OUTPUT_PATTERN)
 _PRTE_PROC = re.compile(r"Process name:\s+\[[^\]]*,(\d+)\]")
 _RANK_TAG = re.compile(r"^\[rank \d+[^\]]*\] ?")
-# A setup error at init prints one line, no traceback ([Note: setup errors] in tfsmp/failure.py).
-_SETUP_ERROR = re.compile(r"^\[rank (\d+) \| init\] (\w+: .*)$")
+# A setup error at init, and any tfsmp error later, prints its message alone, no traceback
+# ([Note: setup errors], [Note: one message per job] in tfsmp/failure.py).
+_SETUP_ERROR = re.compile(r"^\[rank (\d+) \| (?:init|pp_rank \d+)\] (\w+Error: .*)$")
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,12 @@ TF 2.21, the CPU-feature and CUDA-factory lines on other builds) before it reads
 `TF_CPP_MIN_LOG_LEVEL`, so a script cannot silence them. The launcher can: `tfsmp run` and the
 estimator pass the ranks' output through `OutputFilter`, which drops exactly those lines (matched
 whole, after Open MPI's `[job,rank]<stderr>: ` tag); `tfsmp run --tf-logs` or `TFSMP_TF_LOGS=1`
-keeps them. The estimator's job.log keeps everything. The filter also drops two blocks that only
-repeat what is already said: Open MPI's "exited with non-zero status" box after a rank printed a
-setup error ([Note: setup errors] in `tfsmp.failure`), and, where asked, the job map that the
-SageMaker toolkit's `--display-map` prints.
+keeps them. The estimator's job.log keeps everything. The filter also drops blocks that only
+repeat what is already said: once a rank printed its tagged report (a setup error, a tfsmp error,
+a traceback or a stall: [Note: one message per job] in `tfsmp.failure`), Open MPI's boxes that
+say a process exited non-zero, called MPI_ABORT or made prterun exit, and PMIx's
+"PMIX_ERR_UNREACH" line of a rank killed while it finalized; and, where asked, the job map that
+the SageMaker toolkit's `--display-map` prints.
 """
 
 from __future__ import annotations
@@ -49,13 +51,17 @@ TF_STARTUP = tuple(re.compile(p) for p in (
     r"^W\d{4} [\d:.]+\s+\d+ \S+\] TF-TRT Warning: Could not find TensorRT$",
 ))
 _RULE = re.compile(r"^-{20,}$")
-_NONZERO = re.compile(r"^(?:prterun|mpirun) detected that one or more processes exited with "
-                      r"non-zero status")
+# The first line of an Open MPI box that repeats a failure a rank already reported.
+_NONZERO = re.compile(r"^(?:(?:prterun|mpirun) detected that one or more processes exited with "
+                      r"non-zero status|MPI_ABORT was invoked on rank \d+|(?:prterun|mpirun) has "
+                      r"exited due to process rank \d+)")
 # After a stop signal, each rank that did not keep a backup dies of the relayed SIGUSR1, and
 # mpirun says so in a box per job: expected, so dropped ([Note: the launcher owns its job]).
 _NOTICED = re.compile(r"^(?:prterun|mpirun) noticed that process rank \d+ with PID \d+ on node "
                       r"\S+ exited on")
-_SETUP_ERROR = re.compile(r"^\[rank \d+ \| init\] \w+: ")
+# A rank's tagged report: `[rank 1 | init] ConfigError: ...`, `[rank 1 | pp_rank 0] ...`.
+_SETUP_ERROR = re.compile(r"^\[rank \d+ \| (?:init|pp_rank \d+)\] \S")
+_UNREACH = re.compile(r"^\[[\w.-]+:\d+\] PMIX ERROR: PMIX_ERR_UNREACH in file ")
 _MAP_START = re.compile(r"^=+\s+JOB MAP\s+=+$")
 _MAP_END = re.compile(r"^=+$")
 
@@ -103,6 +109,9 @@ class OutputFilter:
             out.append(held)
         if _SETUP_ERROR.match(text):
             self.setup_error_seen = True
+        if self.setup_error_seen and _UNREACH.match(text):
+            self.dropped += 1
+            return out
         if not self.tf_logs and any(p.match(text) for p in TF_STARTUP):
             self.dropped += 1
             return out

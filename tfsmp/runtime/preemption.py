@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from tfsmp import relaunch
+from tfsmp.comm import collective_label
 
 __all__ = ["SIGNALS", "agreed", "exit_for_relaunch", "install", "register_saver", "requested",
            "savers", "uninstall"]
@@ -94,9 +95,15 @@ def signal_name() -> str | None:
 
 
 def agreed(group: Any) -> bool:
-    """Whether any rank of ``group`` received a preemption signal: a collective call."""
+    """Whether any rank of ``group`` received a preemption signal: a collective call.
+
+    Watched like every collective ([Note: watched collectives] in tfsmp/comm/watchdog.py): a
+    rank that stops between steps ends the job within stall_timeout, instead of leaving its
+    peers here for ever.
+    """
     flag = np.array([1.0 if _received else 0.0])
-    group.allreduce_(flag)
+    with collective_label("the per-step preemption check", api=False):
+        group.allreduce_(flag)
     return bool(flag[0] > 0)
 
 

@@ -1,0 +1,188 @@
+"""Watched collectives: call counts, labels, who arrived, a stopped rank; one report per job."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tfsmp import failure
+from tfsmp.comm import collective_label
+from tfsmp.comm.calls import Call, explain
+from tfsmp.comm.watchdog import Watchdog, watched
+from tfsmp.errors import ConfigError, StepError
+
+REPO = Path(__file__).resolve().parents[2]
+WORLD = 0
+
+
+def _get_weights(seq: int) -> Call:
+    return Call(WORLD, "allgather_obj", seq, "DistributedModel.get_weights", "", (0, 1))
+
+
+def _rank1(tmp_path: Path) -> Watchdog:
+    return Watchdog(1, 2, [0, 1], str(tmp_path))
+
+
+def _why(dog: Watchdog, call: Call) -> str:
+    return explain(call, dog.rank, {r: dog.read(r) for r in call.ranks})
+
+
+def test_a_call_only_rank_0_makes_names_the_api_and_says_call_it_everywhere(
+        tmp_path: Path) -> None:
+    r0, r1 = Watchdog(0, 2, [0, 1], str(tmp_path)), _rank1(tmp_path)
+    with r1.collective(Call(WORLD, "allgather_obj", 2, ranks=(0, 1))):
+        pass  # both made call #2; rank 1 then ends its script
+    r1.exited()
+    with r0.collective(_get_weights(3)):
+        text = _why(r0, _get_weights(3))
+        table = r0.report()
+    assert text == (
+        "in allgather_obj #3 on the world group in DistributedModel.get_weights, a collective "
+        "call every rank of the group (ranks 0, 1) must make. Arrived: rank 0. Not arrived: "
+        "rank 1 (its script ended (it waits in MPI_Finalize)). `DistributedModel.get_weights()` "
+        "gathers from every rank: call it on every rank, not only where rank == 0, and in the "
+        "same order everywhere.")
+    assert re.search(r"^0 +\| 0 .*\| waiting +\| - +\| [\d.]+ s \| allgather_obj #3 on the world "
+                     r"group in DistributedModel.get_weights$", table, re.M), table
+    assert re.search(r"^1 +\| 1 .*\| exited +\| - +\| [\d.]+ s \| its script ended", table, re.M)
+    r0.close()
+    r1.close()
+
+
+def test_peers_inside_the_call_or_past_it_have_arrived(tmp_path: Path) -> None:
+    r0, r1 = Watchdog(0, 2, [0, 1], str(tmp_path)), _rank1(tmp_path)
+    with r1.collective(_get_weights(3)):
+        assert "Arrived: ranks 0, 1." in _why(r0, _get_weights(3))
+    assert "Not arrived" not in _why(r0, _get_weights(3))  # rank 1 left call #3: it was there
+    assert "Not arrived: rank 1 (it runs its own code" in _why(r0, _get_weights(4))
+    assert "If a rank is only slow, raise stall_timeout" in _why(r0, _get_weights(4))
+    r0.close()
+    r1.close()
+
+
+def test_another_collective_at_the_same_count_is_named(tmp_path: Path) -> None:
+    r0, r1 = Watchdog(0, 2, [0, 1], str(tmp_path)), _rank1(tmp_path)
+    with r1.collective(Call(WORLD, "barrier", 3, "smp.barrier", "", (0, 1))):
+        text = _why(r0, _get_weights(3))
+    assert ("Rank 1 called another collective there: barrier #3 on the world group in "
+            "smp.barrier.") in text, text
+    r0.close()
+    r1.close()
+
+
+def test_a_stopped_rank_is_shown_stopped_not_computing(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import os, signal
+        from tfsmp.comm.watchdog import Watchdog
+        dog = Watchdog(1, 2, [0, 1], {str(tmp_path)!r})
+        dog.step_end()
+        os.kill(os.getpid(), signal.SIGSTOP)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    try:
+        r0 = Watchdog(0, 2, [0, 1], str(tmp_path))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            st = r0.read(1)
+            if st is not None and st.process == "stopped":
+                break
+            time.sleep(0.05)
+        row = [c.strip() for c in r0.report().splitlines()[3].split("|")]
+        assert row[5] == "stopped", row
+        assert re.fullmatch(r"process \d+ is stopped \(SIGSTOP or a debugger\); last: idle, "
+                            r"outside a pipeline step \(finished step 0\)", row[8]), row
+        text = _why(r0, _get_weights(1))
+        assert re.search(r"Not arrived: rank 1 \(its process \d+ is stopped \(SIGSTOP or a "
+                         r"debugger\)\)\. A rank that stops or dies makes its peers wait", text)
+        with pytest.raises(StepError, match=r"^\[rank 0 \| pp_rank 0\] waited for gradients\. "
+                           r"Rank 1's process \d+ is stopped \(SIGSTOP or a debugger\)\.\n"):
+            r0.expire("[rank 0 | pp_rank 0] waited for gradients.")  # the executor's stall
+        r0.close()
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+def test_labels_nest_outermost_is_the_api() -> None:
+    group = SimpleNamespace(index=WORLD, ranks=[0, 1])
+    inner = collective_label("the preemption check", api=False)
+    with collective_label("DistributedModel.fit"), inner:
+        call = Call.of(group, "allreduce_", 7)
+    assert (call.api, call.what, call.ranks) == ("DistributedModel.fit", "the preemption check",
+                                                 (0, 1))
+    with collective_label("the preemption check", api=False):  # no API around it
+        call = Call.of(group, "allreduce_", 8)
+    assert (call.api, call.what) == ("", "the preemption check")
+    assert "in allreduce_" in explain(call, 0, {1: None}) and "()`" not in explain(call, 0, {})
+    with collective_label("smp.barrier"):
+        assert Call.of(group, "barrier", 1).what == ""
+
+
+def test_every_collective_counts_on_every_rank_even_without_a_watchdog() -> None:
+    group = SimpleNamespace(index=WORLD, ranks=[0, 1], calls=0)
+    for _ in range(3):
+        with watched(group, "barrier"):
+            pass
+    with watched(group, "recv_obj", peer=1):  # a receive is not a collective: not counted
+        pass
+    assert group.calls == 3
+
+
+def test_a_collective_past_the_limit_is_reported_with_its_arrivals(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    dog = Watchdog(0, 2, [0, 1], str(tmp_path), limit=0.3)
+    with pytest.raises(StepError), dog.collective(_get_weights(1)):
+        time.sleep(1.5)  # the monitor expires, prints, and (no MPI job) the wait ends here
+        raise StepError("the monitor did not raise in this thread; the message is on stderr")
+    err = capfd.readouterr().err
+    assert ("[rank 0 | pp_rank 0] StepError: waited more than stall_timeout=0.3s in "
+            "allgather_obj #1 on the world group in DistributedModel.get_weights, a collective "
+            "call every rank of the group (ranks 0, 1) must make. Arrived: rank 0. Not "
+            "arrived: rank 1 (no status).") in err, err
+    dog.close()
+
+
+def test_a_tfsmp_error_prints_as_one_tagged_message() -> None:
+    exc = ConfigError("partitions must divide the world size.\nReceived: partitions=3")
+    assert failure.format_short(exc, "rank 1 | pp_rank 0") == (
+        "[rank 1 | pp_rank 0] ConfigError: partitions must divide the world size.\n"
+        "[rank 1 | pp_rank 0] Received: partitions=3\n")
+
+
+def test_only_the_first_rank_of_a_job_claims_the_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"PMIX_NAMESPACE": "prterun-vm-1@1", failure.DIR_ENV: str(tmp_path)}
+    monkeypatch.setattr(failure, "_claimed", [])
+    assert failure.claim_report(env)
+    assert failure.claim_report(env)  # kept for the life of the process
+    monkeypatch.setattr(failure, "_claimed", [])  # as another rank of the job
+    assert not failure.claim_report(env)
+    assert (tmp_path / "job-prterun-vm-1_1" / "reported").is_file()
+    monkeypatch.setattr(failure, "_claimed", [])  # no job named: every rank reports
+    assert failure.claim_report({failure.DIR_ENV: str(tmp_path)})
+    assert oct(os.stat(tmp_path / "job-prterun-vm-1_1").st_mode & 0o777) == "0o700"
+
+
+def test_end_job_outside_an_mpi_job_returns() -> None:
+    failure.end_job(1)  # nothing to end: the caller goes on (the excepthook then exits 1)
+
+
+def test_a_watched_call_costs_tens_of_microseconds(tmp_path: Path) -> None:
+    dog = Watchdog(0, 2, [0, 1], str(tmp_path))
+    group = SimpleNamespace(index=WORLD, ranks=[0, 1], calls=0)
+    n = 5000
+    start = time.perf_counter()
+    for i in range(1, n + 1):
+        with dog.collective(Call.of(group, "allgather_obj", i)):
+            pass
+    per_call = (time.perf_counter() - start) / n
+    dog.close()
+    assert per_call < 200e-6, f"{per_call * 1e6:.1f} µs per call"  # measured ~20 µs
