@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_function", "register", "run"]
+__all__ = ["input_shapes", "load_function", "register", "run"]
 
 _OUT_SUFFIXES = (".json", ".png", ".svg", ".pdf")
 
@@ -120,7 +120,7 @@ def _memory_wanted(args: argparse.Namespace) -> bool:
         "memory_per_rank", "input_shape", "microbatches", "pipeline", "baseline"))
 
 
-def _input_shapes(specs: list[str] | None) -> dict[str, tuple[int, ...]]:
+def input_shapes(specs: list[str] | None) -> dict[str, tuple[int, ...]]:
     """``["token_ids=1024", "image=224x224x3"]`` -> ``{name: per-sample shape}``."""
     from tfsmp.errors import ConfigError
 
@@ -153,7 +153,7 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
 
     cap = parse_size(args.memory_per_rank) if args.memory_per_rank else None
     traced = trace(model, batch_size=args.batch_size)
-    costs.resolve_dims(traced, _input_shapes(args.input_shape))
+    costs.resolve_dims(traced, input_shapes(args.input_shape))
     if not args.no_measure:
         costs.measure_activations(traced, costs.sample_batch(traced, rows=2))
     settings = MemorySettings(
