@@ -81,6 +81,7 @@ __all__ = [
     "cap_from_environment",
     "fits",
     "group_bytes",
+    "late_weights_pay",
     "predict_memory",
     "settings_of",
     "stage_counts",
@@ -353,6 +354,15 @@ def settings_of(config: Any, optimizer: str | None, batch_size: int,
         active_microbatches=config.active_microbatches, batch_size=max(batch_size, 1),
         data_parallel=data_parallel, optimize=config.optimize, optimizer=optimizer,
         nonfinite=config.nonfinite)
+
+
+def late_weights_pay(held_per_step: float, accumulators: float) -> bool:
+    """Whether a stage computes its linear layers' weight gradients at the step's end ([Note:
+    weights at the step's end] in tfsmp/runtime/stage.py): when their inputs and
+    pre-activation gradients for a whole step (``held_per_step`` bytes) are less than the
+    accumulators of their variables (``accumulators`` bytes). The runtime decides with the
+    first batch's shapes, the memory model with the graph's; both ask here."""
+    return 0 < held_per_step < accumulators
 
 
 def fits(ranks: Sequence[RankMemory], cap: float) -> bool:

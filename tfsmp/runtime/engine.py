@@ -140,10 +140,15 @@ class Engine:
         # variables inside their backward (then they make no accumulators), and whether they do
         self._direct_possible = self._can_update_directly(plan, weighted)
         self._direct = False
+        # [Note: weights at the step's end] in stage.py: the same, for several microbatches
+        self._late_possible = self._can_update_late(plan, weighted)
+        self._late = False
+        self._late_update: DirectUpdate | None = None
         self.programs = {
             s: StageProgram(traced, plan, s, optimize=config.optimize, objective=objective,
                             jit_compile=bool(config.xla), relax_shapes=self._dynamic_inputs(),
-                            split=s in weighted, accumulate=not self._direct_possible)
+                            split=s in weighted,
+                            accumulate=not (self._direct_possible or self._late_possible))
             for s in self.stages}
         self.last_rank = self.placement.last_rank
         self.is_last_rank = self.pipe_rank == self.last_rank
@@ -180,6 +185,13 @@ class Engine:
         return (self.m == 1 and self.dp_size == 1 and len(self.stages) == 1 and not weighted
                 and not any(t.copies > 1 for t in plan.ties) and not self.config.xla
                 and self.config.nonfinite == "raise")
+
+    def _can_update_late(self, plan: StagePlan, weighted: set[int]) -> bool:
+        """[Note: weights at the step's end] in stage.py: `_can_update_directly`'s conditions
+        but for the microbatch count, which is above one."""
+        return self.m > 1 and self.dp_size == 1 and len(self.stages) == 1 and not weighted and \
+            not any(t.copies > 1 for t in plan.ties) and not self.config.xla and \
+            self.config.nonfinite == "raise"
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -453,6 +465,13 @@ class Engine:
             for prog in self.programs.values():
                 prog.set_update(DirectUpdate(self.optimizer) if direct else None)
         self._direct = direct
+        late = (self._late_possible and self._bridge is not None and self._bridge.plain
+                and DirectUpdate.possible_late(self.optimizer))
+        if self._late_possible:
+            for prog in self.programs.values():
+                prog.set_late(late, self.m)
+        self._late = late
+        self._late_update = DirectUpdate(self.optimizer) if late else None
 
     def _counted_here(self) -> list[bool]:
         """Per variable of this rank: whether its pipeline rank is the one that counts it once
@@ -704,6 +723,9 @@ class Engine:
             return
         if self._direct:
             return  # each variable was updated in its stage's backward ([Note: direct update])
+        if self._late and all(p.late for p in self.programs.values()):
+            self._apply_late(factor)  # [Note: weights at the step's end] in stage.py
+            return
         self.ties.reduce()  # sum tied copies' gradients over their stages, before the step
         if not self.variables or self._bridge is None:
             return
@@ -714,6 +736,15 @@ class Engine:
                 sparse[str(j)] = found
         accs = [self.programs[s].grads.accumulators[i] for _, s, i in self._unique]
         self._bridge.apply(accs, sparse, factor)
+
+    def _apply_late(self, factor: float) -> None:
+        update = self._late_update or DirectUpdate(self.optimizer)
+        if not all(p.apply_late(update, factor) for p in self.programs.values()):
+            raise StepError(
+                f"{self.rank_tag} Non-finite weight gradients at step {self.steps} on this "
+                f"rank; they are computed during the update ([Note: weights at the step's end]), "
+                f"so variables with finite gradients were updated. Lower the learning rate, "
+                f"check the data, or set nonfinite='skip' to skip such updates on every rank.")
 
     def _nonfinite(self, report: list[Any]) -> None:
         """[Note: consistent skips] Skips the update on every rank, or raises on every rank."""
