@@ -279,7 +279,7 @@ class StageProgram:
                     pos += 1
 
         def deferred_grad(i: int) -> tf.Tensor:
-            total = extras.get(str(i))
+            total: Any = extras.get(str(i))
             for k, j in parts.get(i, []):
                 layer = (self._deferred_layers or [])[k]
                 g = deferred.weight_gradients([layer], [xs[k]], [dys[k]])[j][1]
@@ -762,7 +762,7 @@ def _nbytes(shape: Any, dtype: Any) -> int:
     n = 1
     for d in tf.TensorShape(shape).as_list():
         n *= d or 1
-    return n * tf.as_dtype(dtype).size
+    return n * int(tf.as_dtype(dtype).size)
 
 
 def _stack(values: list[tf.Tensor]) -> tf.Tensor:
