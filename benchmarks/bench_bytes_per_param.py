@@ -11,8 +11,8 @@ the goal is every rank, the last included, at most plain Keras's at every m. Thr
 intra-op and two inter-op threads in every process (what a tfsmp rank runs with).
 
 The stack is small enough for this shared 2-core machine (``TFSMP_BENCH_WIDTH`` and
-``TFSMP_BENCH_LAYERS`` change it): bytes per parameter is a ratio, and with 4 Dense(2048)
-layers per rank (16.8M parameters, 64 MiB of weights) the fixed costs beside the baseline
+``TFSMP_BENCH_LAYERS`` change it): bytes per parameter is a ratio, and with 4 Dense(4096)
+layers per rank (67M parameters, 256 MiB of weights) the fixed costs beside the baseline
 (the programs' graphs, kernel caches) are a few percent of it.
 """
 
@@ -29,6 +29,7 @@ NAME = "bytes_per_param"
 TITLE = "Bytes per parameter (per rank, by microbatch count, against plain Keras)"
 GOAL = 1.0  # a rank's bytes per parameter / plain Keras's, at every m
 UNCAPPED = 64 * 2**30  # the cgroup only measures
+NAME_MODULE = "bench_bytes_per_param"
 
 
 def settings(quick: bool) -> dict[str, Any]:
@@ -55,9 +56,6 @@ def run(quick: bool) -> dict[str, Any]:
             rows.append({"optimizer": opt, "m": m, "plain": plain["ranks"][0],
                          "ranks": got["ranks"]})
     return {"settings": args, "baseline": base, "rows": rows}
-
-
-NAME_MODULE = "bench_bytes_per_param"
 
 
 # -- rank side -----------------------------------------------------------------------------------
