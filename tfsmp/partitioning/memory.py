@@ -25,7 +25,10 @@ it holds at once during a step:
   trainable byte by optimizer (`tfsmp.graph.ir.OPTIMIZER_SLOTS`); *accumulators*: one per
   trainable variable, except where a stage updates its variables inside its backward ([Note:
   direct update] in tfsmp/runtime/memory.py: one microbatch, one replica, one unsplit stage
-  per rank, no tied copy).
+  per rank, no tied copy), and except, with several microbatches and otherwise the same
+  conditions, linear layers whose inputs and output gradients for the step are smaller than
+  their weights: those are held for the step instead, and each gradient is computed inside its
+  update ([Note: weights at the step's end] in tfsmp/runtime/stage.py, `late_weights_pay`).
 - *buffers*, host memory outside TensorFlow's allocator: every message of a step has its own
   pre-posted buffer, kept from step to step ([Note: receive buffers] in
   tfsmp/runtime/executor.py): the activations a rank receives and the gradients it gets back,
