@@ -149,7 +149,8 @@ def _reduction(r: dict[str, Any]) -> Figures:
 def _memory_model(r: dict[str, Any]) -> Figures:
     out: Figures = {}
     for row in r["rows"]:
-        key = f"memory_model.{row['model']}.{row['pipeline']}"
+        key = f"memory_model.{row['model']}.{row['pipeline']}" + (
+            f".m{row['m']}" if "m" in row else "")
         out[f"{key}.worst_pct"] = 100 * max(abs(x - 1.0) for x in row["ratios"])
     out["memory_model.worst_pct"] = max(out.values(), default=0.0)
     return out
