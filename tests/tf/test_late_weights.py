@@ -34,7 +34,8 @@ def _optimizer(name: str, **kw: Any) -> Any:
     return keras.optimizers.Adam(1e-3, **kw) if name == "adam" else keras.optimizers.SGD(0.1, **kw)
 
 
-def _train(m: int | None, opt: str, batch: int = BATCH, **kw: Any) -> tuple[list[Any], Any]:
+def _train(m: int | None, opt: str, batch: int = BATCH, optimize: str = "memory", **kw: Any
+           ) -> tuple[list[Any], Any]:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((STEPS * batch, WIDTH)).astype("float32")
     y = rng.standard_normal((STEPS * batch, WIDTH)).astype("float32")
@@ -45,7 +46,7 @@ def _train(m: int | None, opt: str, batch: int = BATCH, **kw: Any) -> tuple[list
     else:
         if smp.is_initialized():
             smp.shutdown()
-        smp.init({"partitions": 1, "microbatches": m})
+        smp.init({"partitions": 1, "microbatches": m, "optimize": optimize})
         model = smp.DistributedModel(model)
         model.compile(optimizer=_optimizer(opt, **kw), loss="mse")
     for i in range(STEPS):
@@ -55,10 +56,12 @@ def _train(m: int | None, opt: str, batch: int = BATCH, **kw: Any) -> tuple[list
     return model.get_weights(), engine
 
 
-@pytest.mark.parametrize(("m", "opt"), [(2, "adam"), (4, "sgd"), (8, "adam")])
-def test_late_weights_equal_plain_keras_and_keep_no_linear_accumulator(m: int, opt: str) -> None:
+@pytest.mark.parametrize(("m", "opt", "optimize"), [(2, "adam", "memory"), (4, "sgd", "memory"),
+                                                    (8, "adam", "memory"), (4, "adam", "speed")])
+def test_late_weights_equal_plain_keras_and_keep_no_linear_accumulator(m: int, opt: str,
+                                                                        optimize: str) -> None:
     want, _ = _train(None, opt)
-    got, engine = _train(m, opt)
+    got, engine = _train(m, opt, optimize=optimize)
     try:
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)

@@ -179,8 +179,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("model", metavar="MODULE:FUNCTION",
                    help="a function returning a Keras model (dotted module or file.py path)")
     p.add_argument("--partitions", "-p", type=int, required=True, help="number of stages")
-    p.add_argument("--optimize", choices=("speed", "memory"), default="speed",
-                   help="balance compute (speed) or memory blended with compute (memory)")
+    p.add_argument("--optimize", choices=("speed", "memory"), default="memory",
+                   help="as the config's `optimize` (default memory, the config's default: "
+                        "what `tfsmp run` runs): speed keeps activations for backward, memory "
+                        "recomputes and plans the best compute split within --memory-per-rank")
     p.add_argument("--batch-size", type=int, default=None,
                    help="samples per step, for the activation and traffic columns (default 1)")
     p.add_argument("--memory-weight", type=float, default=None,

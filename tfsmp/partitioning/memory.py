@@ -330,7 +330,9 @@ class _ActivationWalk:
             if m.stage == self.last:
                 return 0.0
             if self.optimize == "speed":  # stash counted; all weight gradients at once
-                return self.b * m.peak_layer_sample + m.trainable
+                # (a split stage's B builds none for its linear layers: [Note: split stages])
+                deferred = min(m.linear, m.trainable) if m.stage in self.split else 0
+                return self.b * m.peak_layer_sample + m.trainable - deferred
             return full + grads
         return grads  # W
 
