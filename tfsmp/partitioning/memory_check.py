@@ -64,24 +64,28 @@ class MemoryDecision:
     def message(self) -> str:
         """One paragraph: fits (and what changed), or what must hold, what was predicted, and
         what would fit."""
-        peaks = ", ".join(f"{r.total / GiB:.2f}" for r in self.ranks)
+        peaks = ", ".join(_size(r.total) for r in self.ranks)
         if self.fits:
             how = f" with {'; '.join(self.changes)}" if self.changes else ""
-            return (f"The plan fits {self.cap / GiB:.2f} GiB per rank{how}: predicted peak per "
-                    f"rank (GiB) {peaks}.")
+            return (f"The plan fits {_size(self.cap)} per rank{how}: predicted peak per rank "
+                    f"{peaks}.")
         s = self.settings
-        over = ", ".join(f"rank {r.rank} {r.total / GiB:.2f} GiB" for r in self.ranks
+        over = ", ".join(f"rank {r.rank} {_size(r.total)}" for r in self.ranks
                          if r.total > self.cap)
         fix = ("Fix: " + "; or ".join(self.hints) if self.hints else
                "Fix: a larger cap or a smaller batch (nothing tried fits: more partitions, "
                "optimize 'memory', more microbatches)")
-        return (f"Every rank's predicted peak memory must be within its cap ({self.cap / GiB:.2f}"
-                f" GiB per rank, --memory-per-rank / TFSMP_MEMORY_PER_RANK). Received: "
+        return (f"Every rank's predicted peak memory must be within its cap ({_size(self.cap)} "
+                f"per rank, --memory-per-rank / TFSMP_MEMORY_PER_RANK). Received: "
                 f"partitions={s.partitions}, microbatches={s.microbatches}, "
                 f"pipeline={s.pipeline!r}, optimize={s.optimize!r}, optimizer={s.optimizer or 'adam'!r}, "
-                f"batch {s.batch_size} per replica: {over} (every rank: {peaks} GiB; the memory "
+                f"batch {s.batch_size} per replica: {over} (every rank: {peaks}; the memory "
                 f"model, docs/memory.md). {fix}. `tfsmp plan --memory-per-rank` shows each "
                 f"rank's parts.")
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.0f} MiB"
 
 
 def check_memory(graph: LayerGraph, settings: MemorySettings, cap: float,
