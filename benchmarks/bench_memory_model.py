@@ -1,7 +1,8 @@
 """Benchmark 8, memory model: the planner's predicted per-rank peak against the measured one.
 
 For each model (a Dense(4096) stack, a GPT-2-style keras_hub causal LM, ResNet50) and each
-pipeline (1F1B = ``interleaved``, GPipe = ``simple``, ``zb-h1``), one process traces the model,
+pipeline (1F1B = ``interleaved``, GPipe = ``simple``, ``zb-h1``) and microbatch count (1, 2, 4,
+8; the quick run: 4), one process traces the model,
 costs it with the first batch's shapes (`tfsmp.graph.costs.resolve_dims`), measures what its
 layers keep for backward (`measure_activations`), plans it as the runtime would and predicts
 every rank's peak (`tfsmp.partitioning.memory.predict_memory`); then p ranks train that very
@@ -44,12 +45,21 @@ MODELS: dict[str, dict[str, Any]] = {
 def settings(quick: bool) -> dict[str, Any]:
     pipelines = ["interleaved", "simple", "zb-h1"]
     return {"models": ["dense", "gpt2", "resnet50"], "pipelines": pipelines, "partitions": 2,
-            "microbatches": 4, "optimize": "memory", "steps": 2 if quick else 3}
+            "microbatches": [4] if quick else [1, 2, 4, 8], "optimize": "memory",
+            "steps": 2 if quick else 3}
 
 
 def run(quick: bool) -> dict[str, Any]:
+    """Every (model, pipeline, microbatch count); ``TFSMP_BENCH_MODELS``,
+    ``TFSMP_BENCH_PIPELINES`` and ``TFSMP_BENCH_MICROBATCHES`` (comma-separated) run a part."""
     args = settings(quick)
-    rows = [compare(m, pipe, args) for m in args["models"] for pipe in args["pipelines"]]
+    for key, env, kind in (("models", "TFSMP_BENCH_MODELS", str),
+                           ("pipelines", "TFSMP_BENCH_PIPELINES", str),
+                           ("microbatches", "TFSMP_BENCH_MICROBATCHES", int)):
+        if os.environ.get(env):
+            args[key] = [kind(v) for v in os.environ[env].split(",")]
+    rows = [compare(model, pipe, {**args, "microbatches": m}) for model in args["models"]
+            for pipe in args["pipelines"] for m in args["microbatches"]]
     return {"rows": rows, "settings": args}
 
 
@@ -69,7 +79,7 @@ def compare(model: str, pipeline: str, args: dict[str, Any]) -> dict[str, Any]:
                            "steps": args["steps"]},
                           timeout=1200, threads=1, memory_per_rank=UNCAPPED)
     ratios = [p["total"] / m["peak"] for p, m in zip(predicted["ranks"], measured["ranks"])]
-    return {"model": model, "pipeline": pipeline, "baseline": base,
+    return {"model": model, "pipeline": pipeline, "m": args["microbatches"], "baseline": base,
             "predicted": predicted["ranks"], "measured": measured["ranks"], "ratios": ratios}
 
 
@@ -235,15 +245,16 @@ def _mib(n: float) -> str:
 
 def summarize(result: dict[str, Any]) -> list[str]:
     s = result["settings"]
-    lines = [f"p = {s['partitions']}, m = {s['microbatches']}, optimize {s['optimize']}, Adam, "
+    lines = [f"p = {s['partitions']}, optimize {s['optimize']}, Adam, "
              f"{s['steps']} steps; MiB; predicted = baseline + weights + optimizer + "
              "accumulators + buffers + activations.", "",
-             "| model | pipeline | rank | predicted | measured | predicted / measured | "
+             "| model | pipeline | m | rank | predicted | measured | predicted / measured | "
              "weights | optimizer | accumulators | activations |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
+        mb = row.get("m", s["microbatches"])
         for r, (p, m) in enumerate(zip(row["predicted"], row["measured"])):
-            lines.append(f"| {row['model']} | {row['pipeline']} | {r} | {_mib(p['total'])} | "
+            lines.append(f"| {row['model']} | {row['pipeline']} | {mb} | {r} | {_mib(p['total'])} | "
                          f"{_mib(m['peak'])} | {p['total'] / m['peak']:.3f} | "
                          f"{_mib(p['weights'])} | {_mib(p['optimizer'])} | "
                          f"{_mib(p['accumulators'])} | {_mib(p['activations'])} |")
@@ -256,10 +267,10 @@ def verdict(result: dict[str, Any]) -> str:
             else f"missed: worst rank off by {worst:.1%} (goal ±{GOAL:.0%})")
 
 
-def main() -> None:  # python -m benchmarks.bench_memory_model MODEL PIPELINE (one comparison)
+def main() -> None:  # python -m benchmarks.bench_memory_model MODEL PIPELINE [M] (one comparison)
     import sys
 
-    args = settings(quick=True)
+    args = {**settings(quick=True), "microbatches": int(sys.argv[3]) if len(sys.argv) > 3 else 4}
     print(json.dumps(compare(sys.argv[1], sys.argv[2], args), indent=1))
 
 

@@ -149,7 +149,8 @@ def _reduction(r: dict[str, Any]) -> Figures:
 def _memory_model(r: dict[str, Any]) -> Figures:
     out: Figures = {}
     for row in r["rows"]:
-        key = f"memory_model.{row['model']}.{row['pipeline']}"
+        key = f"memory_model.{row['model']}.{row['pipeline']}" + (
+            f".m{row['m']}" if "m" in row else "")
         out[f"{key}.worst_pct"] = 100 * max(abs(x - 1.0) for x in row["ratios"])
     out["memory_model.worst_pct"] = max(out.values(), default=0.0)
     return out
@@ -176,11 +177,30 @@ def _memory_cap(r: dict[str, Any]) -> Figures:
 
 
 # benchmark name in results.json -> its figures
+def _bytes_per_param(r: dict[str, Any]) -> Figures:
+    from benchmarks.bench_bytes_per_param import per_param
+
+    base = r["baseline"]
+    out: Figures = {}
+    worst = 0.0
+    for row in r["rows"]:
+        key = f"bytes_per_param.{row['optimizer']}.m{row['m']}"
+        plain = per_param(row["plain"], base)
+        mine = [per_param(x, base) for x in row["ranks"]]
+        out[f"{key}.plain"] = plain
+        for rank, b in enumerate(mine):
+            out[f"{key}.rank{rank}"] = b
+        out[f"{key}.ratio"] = max(mine) / plain
+        worst = max(worst, max(mine) / plain)
+    out["bytes_per_param.worst_ratio"] = worst
+    return out
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], Figures]] = {
     "overhead": _overhead, "speedup": _speedup, "memory": _memory, "p2p": _p2p,
     "partition": _partition, "bubble": _bubble, "reduction": _reduction,
     "multihost": lambda r: _p2p(r, "multihost"), "memory_model": _memory_model,
-    "memory_cap": _memory_cap,
+    "memory_cap": _memory_cap, "bytes_per_param": _bytes_per_param,
 }
 
 

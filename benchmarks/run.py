@@ -37,9 +37,9 @@ from benchmarks.common import REPO_ROOT, BenchError
 __all__ = ["BENCHMARKS", "format_markdown", "main", "run_benchmarks"]
 
 # Issue order: 1 overhead, 2 speed-up, 3 memory, 4 point-to-point, 5 partition, 6 bubble,
-# 7 reduction, 8 memory model, 9 memory capacity (issue 20).
+# 7 reduction, 8 memory model, 9 memory capacity (issue 20), 10 bytes per parameter (issue 28).
 BENCHMARKS = ["overhead", "speedup", "memory", "p2p", "partition", "bubble", "reduction",
-              "memory_model", "memory_cap"]
+              "memory_model", "memory_cap", "bytes_per_param"]
 # Benchmarks with a command of their own that also write into results.json (root needed).
 OWN_COMMAND = {"multihost": "python benchmarks/bench_multihost.py"}
 HERE = Path(__file__).resolve().parent

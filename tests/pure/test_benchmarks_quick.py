@@ -142,6 +142,10 @@ SAMPLES: dict[str, dict[str, Any]] = {
                    "trials": [{"depth": 18, "fits": True, "peaks": [2**31, 2**31]},
                               {"depth": 19, "fits": False}]},
                   {"p": 8, "skipped": "not enough free memory on this machine"}]}]},
+    "bytes_per_param": {"baseline": 2**28, "rows": [
+        {"optimizer": opt, "m": m, "plain": {"peak": 2**28 + 15 * 2**20, "params": 2**20},
+         "ranks": [{"peak": 2**28 + 14 * 2**20, "params": 2**20}] * 2}
+        for opt in ("adam", "sgd") for m in (1, 2)]},
 }
 
 
@@ -167,7 +171,7 @@ def test_tables_and_verdicts_render_from_a_worker_shaped_result(name: str) -> No
 @pytest.mark.parametrize(("name", "word"), [("overhead", "met"), ("speedup", "1F1B at m = 8: met"),
                                             ("memory", "state met"), ("p2p", "missed by 0.100"),
                                             ("bubble", "met"), ("memory_model", "met"),
-                                            ("memory_cap", "met")])
+                                            ("memory_cap", "met"), ("bytes_per_param", "met")])
 def test_verdicts_say_met_or_by_how_much_a_goal_was_missed(name: str, word: str) -> None:
     mod = MODULES[name]
     assert word in mod.verdict({**SAMPLES[name], "settings": mod.settings(True)})

@@ -46,7 +46,7 @@ def test_state_is_weights_optimizer_slots_and_accumulators() -> None:
     plan = _even(g, 2)
     layer = 4 * 1_000_000
     ranks = predict_memory(plan, g, MemorySettings(partitions=2, microbatches=4, batch_size=8,
-                                                   optimizer="adam"))
+                                                   optimizer="adam", nonfinite="skip"))
     for r in ranks:
         assert (r.weights, r.optimizer, r.accumulators) == (4 * layer, 8 * layer, 4 * layer)
         assert r.baseline >= BASELINE_BYTES + RUNTIME_BYTES  # plus allocator slack
@@ -65,6 +65,28 @@ def test_one_microbatch_updates_directly_and_keeps_no_accumulators() -> None:
         assert all((r.accumulators == 0) is direct for r in ranks), pipeline
     skip = predict_memory(plan, g, MemorySettings(partitions=2, nonfinite="skip"))
     assert all(r.accumulators > 0 for r in skip)  # a skipped step must change nothing
+
+
+def test_several_microbatches_compute_linear_weight_gradients_at_the_steps_end() -> None:
+    g = _chain()  # Dense layers of 1M parameters, 16 KiB of input and output per sample
+    plan = _even(g, 2)
+    layer = 4 * 1_000_000
+
+    def ranks(**kw: object) -> list:
+        s = MemorySettings(**{"partitions": 2, "microbatches": 4, "batch_size": 8,
+                              "optimizer": "adam", **kw})  # type: ignore[arg-type]
+        return predict_memory(plan, g, s)
+
+    late = ranks()
+    assert all(r.accumulators == 0 and r.optimizer == 8 * layer for r in late)
+    # the step holds every microbatch's linear inputs and output gradients instead
+    assert all(r.activations >= 8 * 4 * 2 * 4096 * 4 for r in late)
+    kept = ranks(data_parallel=2)  # gradients summed over replicas: accumulators
+    assert all(r.accumulators == 4 * layer for r in kept)
+    # a batch whose linear inputs and gradients outweigh the weights keeps accumulators
+    assert all(r.accumulators == 4 * layer for r in ranks(batch_size=4096, microbatches=8))
+    assert all(r.accumulators == 4 * layer for r in ranks(direct=False))
+    assert max(r.total for r in late) < min(r.total for r in kept)
 
 
 def test_schedules_hold_what_they_should() -> None:

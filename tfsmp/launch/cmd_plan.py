@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_function", "register", "run"]
+__all__ = ["input_shapes", "load_function", "register", "run"]
 
 _OUT_SUFFIXES = (".json", ".png", ".svg", ".pdf")
 
@@ -126,7 +126,7 @@ def _memory_wanted(args: argparse.Namespace) -> bool:
         "memory_per_rank", "input_shape", "microbatches", "pipeline", "baseline"))
 
 
-def _input_shapes(specs: list[str] | None) -> dict[str, tuple[int, ...]]:
+def input_shapes(specs: list[str] | None) -> dict[str, tuple[int, ...]]:
     """``["token_ids=1024", "image=224x224x3"]`` -> ``{name: per-sample shape}``."""
     from tfsmp.errors import ConfigError
 
@@ -159,7 +159,7 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
 
     cap = parse_size(args.memory_per_rank) if args.memory_per_rank else None
     traced = trace(model, batch_size=args.batch_size)
-    costs.resolve_dims(traced, _input_shapes(args.input_shape))
+    costs.resolve_dims(traced, input_shapes(args.input_shape))
     if not args.no_measure:
         costs.measure_activations(traced, costs.sample_batch(traced, rows=2))
     from tfsmp.schedule.registry import get
@@ -189,8 +189,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("model", metavar="MODULE:FUNCTION",
                    help="a function returning a Keras model (dotted module or file.py path)")
     p.add_argument("--partitions", "-p", type=int, required=True, help="number of stages")
-    p.add_argument("--optimize", choices=("speed", "memory"), default="speed",
-                   help="balance compute (speed) or memory blended with compute (memory)")
+    p.add_argument("--optimize", choices=("speed", "memory"), default="memory",
+                   help="as the config's `optimize` (default memory, the config's default: "
+                        "what `tfsmp run` runs): speed keeps activations for backward, memory "
+                        "recomputes and plans the best compute split within --memory-per-rank")
     p.add_argument("--batch-size", type=int, default=None,
                    help="samples per step, for the activation and traffic columns (default 1)")
     p.add_argument("--memory-weight", type=float, default=None,

@@ -183,9 +183,15 @@ def run(args: argparse.Namespace) -> int:
         if not args.dry_run:
             _check_script(args.script)
         grace = ownjob.grace_seconds(getattr(args, "stop_grace", None))
+        # [Note: the launcher obeys the model] in tfsmp/partitioning/memory_check.py
+        from tfsmp.launch.memcap import check_before_launch
+
+        config_json, decided = check_before_launch(args, np, config_json)
     except (ConfigError, ValueError) as e:
         print(f"tfsmp run: error: {e}", file=sys.stderr)
         return 2
+    if decided:
+        print(f"tfsmp run: {decided}", file=sys.stderr)
     from tfsmp.launch import restart  # --max-restarts (docs/resume.md)
 
     restart.prepare_environ(args)
@@ -262,6 +268,19 @@ def register(subparsers: Any) -> None:
                    help="cap every rank's memory, e.g. 2.5G (K/M/G/T = powers of 1024): one "
                         "memory cgroup per rank on CPU hosts (a rank above it is killed), "
                         "TensorFlow's device memory limit on GPU hosts")
+    p.add_argument("--model", metavar="MODULE:FUNCTION",
+                   help="with --memory-per-rank: the script's model (a function returning it, "
+                        "as for `tfsmp plan`); the memory model then picks a plan that fits, "
+                        "or refuses before launching and says what would fit")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="with --model: samples per step over all replicas (default: one per "
+                        "microbatch and replica)")
+    p.add_argument("--input-shape", action="append", metavar="NAME=D1xD2",
+                   help="with --model: per-sample shape of an input with unknown dimensions "
+                        "(repeatable)")
+    p.add_argument("--optimizer", default=None,
+                   help="with --model: optimizer name for its state (default: the model's "
+                        "compiled optimizer, else adam)")
     p.add_argument("--mpi-args", help="extra mpirun flags, appended verbatim (quote them)")
     p.add_argument("--no-tag-output", dest="tag_output", action="store_false",
                    help="do not prefix output lines with [job,rank]")

@@ -32,15 +32,17 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tfsmp.launch import rankguard
 
 __all__ = [
     "CAP_ENV",
     "Controller",
+    "check_before_launch",
     "find_controller",
     "format_size",
     "host_has_gpu",
@@ -244,6 +246,94 @@ def launch_setup(size: str | int, job: str | None = None) -> tuple[list[str], di
         return [], env
     find_controller()
     return rank_prefix(limit, job or f"tfsmp-{os.getpid()}"), env
+
+
+# -- the memory model before launch -------------------------------------------------------------
+
+
+def check_before_launch(args: Any, np: int, config_json: str | None,
+                        environ: Mapping[str, str] | None = None) -> tuple[str | None, str]:
+    """`tfsmp run --memory-per-rank SIZE --model MODULE:FUNCTION`: the memory model decides
+    before mpirun starts ([Note: the launcher obeys the model] in
+    tfsmp/partitioning/memory_check.py). Returns the config JSON to launch with (the plan that
+    fits, written to a file and named by ``partition_file``; ``optimize`` switched to
+    recomputation where that is what fits) and a line saying what was decided; without
+    ``--model`` (or a cap) both unchanged and empty: the ranks then decide on world rank 0
+    before taking their stages.
+
+    Raises:
+        ConfigError: no plan fits; the message names each rank's predicted peak and what would.
+    """
+    import json
+    import tempfile
+
+    from tfsmp.config import load_config
+    from tfsmp.partitioning.memory import settings_of
+    from tfsmp.partitioning.memory_check import check_memory
+
+    size, spec = getattr(args, "memory_per_rank", None), getattr(args, "model", None)
+    if not size or not spec:
+        return config_json, ""
+    cap = parse_size(size)
+    params = json.loads(config_json) if config_json else None
+    config = load_config(params, environ=dict(os.environ if environ is None else environ),
+                         world_size=np)
+    dp = max(np // config.partitions, 1)
+    batch = getattr(args, "batch_size", None) or config.microbatches * dp
+    graph, optimizer = _traced(spec, getattr(args, "input_shape", None), batch,
+                               getattr(args, "optimizer", None))
+    plan_for = _planner(graph, config, optimizer, batch, cap)
+    settings = settings_of(config, optimizer, max(batch // dp, 1), dp)
+    decision = check_memory(graph, settings, cap, plan_for, allow_changes=True)
+    if not decision.fits:
+        from tfsmp.errors import ConfigError
+
+        raise ConfigError(decision.message())
+    fd, path = tempfile.mkstemp(prefix="tfsmp-plan-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(decision.plan.to_json() + "\n")
+    chosen = {**(params or {}), "partition_file": path, "optimize": decision.settings.optimize}
+    return json.dumps(chosen), f"{decision.message()} Plan: {path}."
+
+
+def _traced(spec: str, input_shape: list[str] | None, batch: int, optimizer: str | None
+            ) -> tuple[Any, str | None]:
+    """The model's layer graph, costed for ``batch`` as `tfsmp plan` costs it, and its
+    optimizer's name (``--optimizer``, else the model's compiled one, else Adam's)."""
+    from tfsmp.graph import costs
+    from tfsmp.graph.planning import optimizer_name
+    from tfsmp.graph.tracer import trace
+    from tfsmp.launch.cmd_plan import input_shapes, load_function
+
+    model = load_function(spec)()
+    traced = trace(model, batch_size=batch)
+    costs.resolve_dims(traced, input_shapes(input_shape))
+    costs.measure_activations(traced, costs.sample_batch(traced, rows=2))
+    return traced.graph, optimizer or optimizer_name(model)
+
+
+def _planner(graph: Any, config: Any, optimizer: str | None, batch: int, cap: int) -> Any:
+    """``settings -> plan``: the config's ``partition_file``, else the planner as the ranks call
+    it (`tfsmp.runtime.setup.make_plan`, which the launcher may not import)."""
+    from tfsmp.partitioning.plan import StagePlan
+    from tfsmp.partitioning.planner import plan_graph
+
+    if config.partition_file:
+        with open(config.partition_file) as f:
+            fixed = StagePlan.from_json(f.read())
+        fixed = StagePlan.from_assignment(graph, fixed.stage_of, fixed.num_stages, planner="file")
+        return lambda s: fixed
+    method = "auto" if config.auto_partition else "manual"
+
+    def plan_for(s: Any) -> StagePlan:
+        weight = config.memory_weight if s.optimize == "memory" else \
+            config.effective_memory_weight
+        return plan_graph(graph, config.num_stages, optimize=s.optimize, memory_weight=weight,
+                          method=method, default_partition=config.default_partition,
+                          contiguous=config.contiguous, optimizer=optimizer, batch_size=batch,
+                          step_samples=batch, memory=s, memory_cap=cap)
+
+    return plan_for
 
 
 # -- the rank guard -----------------------------------------------------------------------------

@@ -25,7 +25,10 @@ it holds at once during a step:
   trainable byte by optimizer (`tfsmp.graph.ir.OPTIMIZER_SLOTS`); *accumulators*: one per
   trainable variable, except where a stage updates its variables inside its backward ([Note:
   direct update] in tfsmp/runtime/memory.py: one microbatch, one replica, one unsplit stage
-  per rank, no tied copy).
+  per rank, no tied copy), and except, with several microbatches and otherwise the same
+  conditions, linear layers whose inputs and output gradients for the step are smaller than
+  their weights: those are held for the step instead, and each gradient is computed inside its
+  update ([Note: weights at the step's end] in tfsmp/runtime/stage.py, `late_weights_pay`).
 - *buffers*, host memory outside TensorFlow's allocator: every message of a step has its own
   pre-posted buffer, kept from step to step ([Note: receive buffers] in
   tfsmp/runtime/executor.py): the activations a rank receives and the gradients it gets back,
@@ -81,6 +84,7 @@ __all__ = [
     "cap_from_environment",
     "fits",
     "group_bytes",
+    "late_weights_pay",
     "predict_memory",
     "settings_of",
     "stage_counts",
@@ -153,6 +157,7 @@ class StageMemory:
     outputs_sample: int = 0  # model outputs it computes (the last stage keeps a step's)
     ops: int = 0            # TensorFlow operations of its forward graph
     tied: int = 0           # trainable bytes of tied variables summed with other stages
+    linear: int = 0         # trainable bytes of its linear layers (weights at the step's end)
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,9 @@ def stage_memory(plan: StagePlan, graph: LayerGraph, stage: int,
         ops=sum(n.ops for n in nodes),
         tied=sum(t.trainable_param_bytes for t in plan.ties
                  if stage in t.stages and t.copies > 1),
+        # a layer whose calls include linear ones (measured: linear_bytes) counts whole
+        linear=sum(n.trainable_param_bytes for n in nodes
+                   if n.kind in _LINEAR or n.linear_bytes > 0),
     )
 
 
@@ -259,16 +267,22 @@ def _direct(mine: Sequence[StageMemory], possible: bool, s: MemorySettings) -> b
 
 def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], split: set[int],
           last: int, s: MemorySettings, direct: bool) -> RankMemory:
+    late = _late(mine, split, s)
     b = s.batch_size / s.microbatches  # samples per microbatch
     buffers = s.batch_size * sum(m.received_sample + m.sent_sample for m in mine)
-    walk = _ActivationWalk({m.stage: m for m in mine}, split, last, b, s.optimize)
+    walk = _ActivationWalk({m.stage: m for m in mine}, split | late, last, b, s.optimize)
     held, peak = walk.run(actions)
     largest = max((m.largest for m in mine), default=0)
-    # the step, after the last backward: a step's model outputs are still held (last stage)
+    # the step, after the last backward: a step's model outputs are still held (last stage);
+    # late stages compute each gradient inside its update (one gradient and the optimizer's
+    # temporaries: GRADIENTS_IN_FLIGHT of the largest), from the inputs kept for the step
     step = walk.kept + (0 if direct else 2 * largest)
+    if late:
+        step = walk.kept + walk.waiting_total + GRADIENTS_IN_FLIGHT * largest
     ops = sum(m.ops for m in mine)
     weights, optimizer = sum(m.weights for m in mine), int(sum(m.optimizer for m in mine))
-    accumulators = 0 if direct else sum(m.trainable for m in mine)
+    accumulators = 0 if direct else sum(m.trainable - (m.linear if m.stage in late else 0)
+                                        for m in mine)
     tensors = weights + optimizer + accumulators + max(peak, step)
     return RankMemory(
         rank=rank, stages=tuple(m.stage for m in mine),
@@ -278,6 +292,18 @@ def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], spl
         activations=int(max(peak, step)), direct=direct, held=held)
 
 
+def _late(mine: Sequence[StageMemory], split: set[int], s: MemorySettings) -> set[int]:
+    """The rank's stages whose linear layers' weight gradients are computed at the step's end
+    ([Note: weights at the step's end] in tfsmp/runtime/stage.py): where the rank would update
+    directly but for the microbatch count, and `late_weights_pay` for the stage."""
+    if (s.direct is False or s.microbatches == 1 or s.data_parallel != 1 or len(mine) != 1
+            or split.intersection(m.stage for m in mine) or any(m.copies for m in mine)
+            or s.nonfinite != "raise"):
+        return set()
+    return {m.stage for m in mine
+            if late_weights_pay(s.batch_size * m.linear_sample, min(m.linear, m.trainable))}
+
+
 class _ActivationWalk:
     """Walks one rank's compute actions, tracking what each (stage, microbatch) holds."""
 
@@ -285,6 +311,7 @@ class _ActivationWalk:
                  optimize: str) -> None:
         self.stages, self.split, self.last, self.b, self.optimize = stages, split, last, b, optimize
         self.kept = 0.0
+        self.waiting_total = 0.0
 
     def stash(self, m: StageMemory) -> float:
         """Held from F to B: the tape's saved tensors (speed), or the model inputs (memory)."""
@@ -308,7 +335,9 @@ class _ActivationWalk:
             if m.stage == self.last:
                 return 0.0
             if self.optimize == "speed":  # stash counted; all weight gradients at once
-                return self.b * m.peak_layer_sample + m.trainable
+                # (a split stage's B builds none for its linear layers: [Note: split stages])
+                deferred = min(m.linear, m.trainable) if m.stage in self.split else 0
+                return self.b * m.peak_layer_sample + m.trainable - deferred
             return full + grads
         return grads  # W
 
@@ -326,6 +355,8 @@ class _ActivationWalk:
             peak = max(peak, sum(held.values()) + self.kept + self.working(m, op))
             if op == "F" and st == self.last:
                 self.kept += self.b * m.outputs_sample
+                if st in self.split:  # its B is fused: it waits from here
+                    held[(st, mb)] = self.waiting(m)
             elif op == "F":
                 held[(st, mb)] = self.stash(m)
             elif op == "B":
@@ -336,6 +367,7 @@ class _ActivationWalk:
                 held.pop((st, mb), None)
             most = max(most, len(held))
             peak = max(peak, sum(held.values()) + self.kept)
+        self.waiting_total = sum(held.values())  # what split stages still hold at the end
         return most, peak
 
 
@@ -358,6 +390,15 @@ def settings_of(config: Any, optimizer: str | None, batch_size: int,
         active_microbatches=config.active_microbatches, batch_size=max(batch_size, 1),
         data_parallel=data_parallel, optimize=config.optimize, optimizer=optimizer,
         nonfinite=config.nonfinite)
+
+
+def late_weights_pay(held_per_step: float, accumulators: float) -> bool:
+    """Whether a stage computes its linear layers' weight gradients at the step's end ([Note:
+    weights at the step's end] in tfsmp/runtime/stage.py): when their inputs and
+    pre-activation gradients for a whole step (``held_per_step`` bytes) are less than the
+    accumulators of their variables (``accumulators`` bytes). The runtime decides with the
+    first batch's shapes, the memory model with the graph's; both ask here."""
+    return 0 < held_per_step < accumulators
 
 
 def fits(ranks: Sequence[RankMemory], cap: float) -> bool:
@@ -400,11 +441,22 @@ def group_bytes(graph: LayerGraph, groups: Sequence[Sequence[str]], settings: Me
     for k in graph.inputs:
         for n in graph.consumers(k):
             read.setdefault(n, set()).add(k)
+    # [Note: weights at the step's end] in tfsmp/runtime/stage.py, decided per group here
+    late_ok = (not direct and s.direct is not False and s.microbatches > 1
+               and s.data_parallel == 1 and s.virtual_stages == 1
+               and s.pipeline in ("interleaved", "simple") and s.nonfinite == "raise")
     fixed, held = [], []
     for g in groups:
         nodes = [graph.nodes[n] for n in g]
         state = sum(n.param_bytes + (slots + (0 if direct else 1)) * n.trainable_param_bytes
                     for n in nodes)
+        linear = [n for n in nodes if n.kind in _LINEAR or n.linear_bytes > 0]
+        kept = s.batch_size * sum(n.linear_bytes or 2 * sum(
+            graph.tensors[k].bytes_per_sample for k in graph.writes.get(n.name, ()))
+            for n in linear)
+        avoided = sum(n.trainable_param_bytes for n in linear)
+        if late_ok and late_weights_pay(kept, avoided):
+            state += kept - avoided
         inputs = sum(graph.tensors[k].bytes_per_sample for n in g for k in read.get(n, ()))
         saved = sum(n.activation_bytes for n in nodes)
         fixed.append(state + b * (saved + inputs))

@@ -102,7 +102,10 @@ class Engine:
         self.objective = objective
         shapes = BoundaryShapes.for_plan(traced, plan)  # [Note: dynamic boundaries]
         relax = _dynamic_inputs(traced, shapes)
-        direct_possible = self.run.direct_possible(comm.pipeline.rank)
+        # stages that may update in their backward, or take linear layers' gradients at the
+        # step's end ([Note: weights at the step's end] in stage.py), make no accumulators
+        direct_possible = (self.run.direct_possible(comm.pipeline.rank)
+                           or self.run.late_possible(comm.pipeline.rank))
         self.programs = {
             s: StageProgram(traced, plan, s, optimize=config.optimize, objective=objective,
                             jit_compile=bool(config.xla), relax_shapes=relax,

@@ -86,12 +86,21 @@ class GradientStore:
             self.ensure_accumulators()
         self.rules: dict[int, str] = {}  # sparse variable index -> CONCAT | SUM
 
-    def ensure_accumulators(self) -> None:
-        """Makes the accumulators, one per trainable variable, unless they exist."""
-        if not self.accumulators:
-            self.accumulators = [
-                tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False,
-                            name=f"acc_{self.stage}_{i}") for i, v in enumerate(self.trainable)]
+    def ensure_accumulators(self, skip: frozenset[int] = frozenset()) -> None:
+        """One accumulator per trainable variable, keeping those that exist; a variable of
+        ``skip`` gets an empty placeholder instead (its gradient is computed at the step's end:
+        [Note: weights at the step's end] in stage.py)."""
+        have = self.accumulators
+        out = []
+        for i, v in enumerate(self.trainable):
+            old = have[i] if i < len(have) else None
+            full = i not in skip
+            if old is not None and (tuple(old.shape) == tuple(v.shape)) == full:
+                out.append(old)
+                continue
+            out.append(tf.Variable(tf.zeros(v.shape if full else (0,), dtype=v.dtype),
+                                   trainable=False, name=f"acc_{self.stage}_{i}"))
+        self.accumulators = out
 
     def step(self) -> GradientState:
         """The gradients of a new step, owned by that step's result ([Note: gradient state])."""

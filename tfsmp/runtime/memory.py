@@ -116,6 +116,50 @@ class DirectUpdate:
                 and not getattr(optimizer, "gradient_accumulation_steps", None)
                 and not getattr(optimizer, "use_ema", False))
 
+    @staticmethod
+    def possible_late(optimizer: Any) -> bool:
+        """Whether ``optimizer`` can take gradients computed inside its update, one variable at
+        a time ([Note: weights at the step's end] in stage.py): `possible`, and nothing that
+        transforms the gradients before Keras's per-variable update (``clipnorm``,
+        ``clipvalue``), which would see the stand-ins instead."""
+        return (DirectUpdate.possible(optimizer) and not getattr(optimizer, "clipnorm", None)
+                and not getattr(optimizer, "clipvalue", None))
+
+    def apply_computed(self, makers: list[Callable[[], Any]], variables: list[Any]) -> tf.Tensor:
+        """`apply`, where ``makers[j]()`` computes variable j's gradient inside the update:
+        each is computed only after the previous variable's update finished, so one gradient
+        exists at a time ([Note: weights at the step's end] in stage.py). Keras's
+        ``apply_gradients`` sees a scalar stand-in per variable (its iteration count, weight
+        decay and learning rate are applied as usual). Call inside a ``tf.function``."""
+        flags: list[tf.Tensor] = []
+        done: list[tf.Tensor] = []
+        inner = self.optimizer
+        original = inner.update_step
+        by_id = {id(v): m for v, m in zip(variables, makers)}
+        order = list(reversed(makers))  # the order of the pairs passed below
+
+        def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+            make = by_id.get(id(variable)) or order[len(flags)]
+            with tf.control_dependencies(done):
+                gradient = tf.convert_to_tensor(make())
+            ok = _finite(gradient)
+            flags.append(ok)
+
+            def run() -> tf.Tensor:
+                original(gradient, variable, learning_rate)
+                return tf.constant(True)
+
+            result = tf.cond(ok, run, lambda: tf.constant(False))
+            done[:] = [result, tf.identity(_handle_value(variable))]
+            return result
+
+        if not variables:
+            return tf.constant(True)
+        stand_ins = [tf.zeros((), v.dtype) for v in variables]
+        with _update_step_as(inner, update_step):
+            self.optimizer.apply_gradients(list(reversed(list(zip(stand_ins, variables)))))
+        return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
     def apply(self, grads: list[Any], variables: list[Any]) -> tf.Tensor:
         """Updates each variable with its (finite) gradient; returns whether all were finite.
         Call inside a ``tf.function``. Variables are updated in reverse order, the order in

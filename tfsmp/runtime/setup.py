@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tfsmp.errors import PartitionError
+from tfsmp.errors import ConfigError, PartitionError
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.runtime.engine import Engine
 from tfsmp.runtime.objective import Objective
@@ -15,7 +15,9 @@ from tfsmp.schedule.run_plan import RunPlan
 if TYPE_CHECKING:
     from tfsmp.config import Config
 
-__all__ = ["build_engine", "make_plan", "make_schedule", "rebuild_engine"]
+__all__ = ["build_engine", "make_plan", "make_schedule", "optimizer_name", "rebuild_engine"]
+
+_REFUSED = "refused: "  # world rank 0's answer instead of a plan ([Note: the launcher obeys the model])
 
 
 def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str, int] | None = None,
@@ -27,6 +29,11 @@ def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str,
     subclass trains with `smp.step`, which cannot sum tied copies' gradients; [Note: tied
     reduction] in tfsmp/runtime/ties.py); ``step_samples``: rows per optimizer step, which
     prices tied copies' gradient reduction ([Note: pricing copies] in partitioning/ties.py)."""
+    from tfsmp.partitioning.memory import cap_from_environment, settings_of
+
+    opt_name = optimizer_name(optimizer)
+    settings = settings_of(config, opt_name, (step_samples or 1) // max(data_parallel, 1),
+                           data_parallel)
     if config.partition_file:
         with open(config.partition_file) as f:
             plan = StagePlan.from_json(f.read())
@@ -35,28 +42,65 @@ def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str,
                 f"The plan in partition_file must have partitions × virtual_stages stages. "
                 f"Received: {plan.num_stages} stages in {config.partition_file}, config wants "
                 f"{config.num_stages}.")
-        return StagePlan.from_assignment(traced.graph, plan.stage_of, plan.num_stages,
+        plan = StagePlan.from_assignment(traced.graph, plan.stage_of, plan.num_stages,
                                          planner="file")
+        return _within_cap(traced.graph, settings, lambda s: plan)
     from tfsmp.partitioning.planner import plan_graph
 
     method = "auto" if config.auto_partition else "manual"
-    opt_name = type(optimizer).__name__.lower() if optimizer is not None else None
     graph = traced.graph
     if keep_ties and config.auto_partition:
         graph = _ties_together(graph, config.num_stages)
-    from tfsmp.partitioning.memory import cap_from_environment, settings_of
-
+    cap = cap_from_environment()
     # optimize="memory" without a memory_weight: the best compute split within the rank's
     # memory cap ([Note: memory plans] in tfsmp/partitioning/memory_plan.py)
     weight = config.memory_weight if config.optimize == "memory" else config.effective_memory_weight
-    return plan_graph(
-        graph, config.num_stages, optimize=config.optimize,
-        memory_weight=weight, method=method, manual=manual or {},
-        default_partition=config.default_partition, contiguous=config.contiguous,
-        optimizer=opt_name, step_samples=step_samples,
-        memory=settings_of(config, opt_name, (step_samples or 1) // max(data_parallel, 1),
-                           data_parallel),
-        memory_cap=cap_from_environment())
+
+    def plan_for(s: Any) -> StagePlan:
+        return plan_graph(
+            graph, config.num_stages, optimize=s.optimize,
+            memory_weight=weight, method=method, manual=manual or {},
+            default_partition=config.default_partition, contiguous=config.contiguous,
+            optimizer=opt_name, step_samples=step_samples, memory=s, memory_cap=cap)
+
+    return _within_cap(graph, settings, plan_for)
+
+
+def _within_cap(graph: Any, settings: Any, plan_for: Any) -> StagePlan:
+    """``plan_for(settings)``, refused when the memory model says a rank would exceed its cap
+    (``TFSMP_MEMORY_PER_RANK``), before any rank allocates ([Note: the launcher obeys the
+    model] in tfsmp/partitioning/memory_check.py).
+
+    Raises:
+        ConfigError: some rank's predicted peak is above the cap; the message says what fits.
+    """
+    import os
+
+    from tfsmp.errors import ConfigError
+    from tfsmp.partitioning.memory import cap_from_environment
+    from tfsmp.partitioning.memory_check import CHECK_ENV, check_memory
+
+    cap = cap_from_environment()
+    if cap is None or os.environ.get(CHECK_ENV, "").lower() in ("0", "off", "false", "no"):
+        return plan_for(settings)  # type: ignore[no-any-return]
+    decision = check_memory(graph, settings, cap, plan_for)
+    if not decision.fits:
+        raise ConfigError(decision.message())
+    return decision.plan
+
+
+def optimizer_name(optimizer: Any) -> str | None:
+    """The memory model's name of a Keras optimizer (`tfsmp.graph.ir.OPTIMIZER_SLOTS`): its
+    class name, ``sgd_momentum`` for SGD with momentum, ``amsgrad`` for Adam's variant."""
+    if optimizer is None:
+        return None
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # a loss-scale wrapper's
+    name = type(inner).__name__.lower()
+    if name == "sgd" and float(getattr(inner, "momentum", 0.0) or 0.0) > 0:
+        return "sgd_momentum"
+    if name == "adam" and getattr(inner, "amsgrad", False):
+        return "amsgrad"
+    return name
 
 
 def _ties_together(graph: Any, num_stages: int) -> Any:
@@ -135,10 +179,16 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
             from tfsmp.graph.costs import profile
 
             profile(traced, profile_batch)
-        text = make_plan(traced, config, optimizer, manual, keep_ties=subclassed,
-                         step_samples=_rows(sample_x),
-                         data_parallel=state.comm.data.size).to_json()
-    plan = StagePlan.from_json(world.bcast_obj(text, root=0))
+        try:
+            text = make_plan(traced, config, optimizer, manual, keep_ties=subclassed,
+                             step_samples=_rows(sample_x),
+                             data_parallel=state.comm.data.size).to_json()
+        except ConfigError as e:  # a plan above the memory cap: refused on every rank alike
+            text = _REFUSED + str(e)
+    text = world.bcast_obj(text, root=0)
+    if text.startswith(_REFUSED):
+        raise ConfigError(f"{rank_tag} {text[len(_REFUSED):]}")
+    plan = StagePlan.from_json(text)
     # the one placement of the job: stage -> pipeline rank (tfsmp/schedule/placement.py)
     placement = RunPlan.for_config(config).placement
     stages = placement.stages(state.comm.pipeline.rank)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
+from tfsmp.errors import StepError
 from tfsmp.runtime.memory import DirectUpdate
 from tfsmp.runtime.optimizer_options import OptimizerBridge
 
@@ -40,6 +41,9 @@ class Updates:
         self.unique = ties.unique()
         self.possible = run.direct_possible(pipe_rank)  # may stages update in their backward?
         self.direct_allowed = run.updates_directly
+        # [Note: weights at the step's end] in stage.py: the same, for several microbatches
+        self.late_possible = run.late_possible(pipe_rank)
+        self.microbatches = run.num_microbatches
         self.pipe_rank = pipe_rank
         self.group = group
         self.xla = xla
@@ -48,6 +52,8 @@ class Updates:
         self.optimizer: Any = None
         self.bridge: OptimizerBridge | None = None
         self.direct = False  # stages update inside their backward ([Note: direct update])
+        self.late = False  # linear layers' gradients computed in the update at the step's end
+        self._late_update: DirectUpdate | None = None
 
     @property
     def variables(self) -> list[Any]:
@@ -74,6 +80,13 @@ class Updates:
             for prog in self.programs.values():
                 prog.set_update(DirectUpdate(self.optimizer) if direct else None)
         self.direct = direct
+        late = (self.late_possible and self.bridge is not None and self.bridge.plain
+                and DirectUpdate.possible_late(self.optimizer))
+        if self.late_possible:
+            for prog in self.programs.values():
+                prog.set_late(late, self.microbatches)
+        self.late = late
+        self._late_update = DirectUpdate(self.optimizer) if late else None
 
     def apply(self, grads: Mapping[int, GradientState], factor: float) -> None:
         """optimizer.apply_gradients of this step's gradients (read from the step's result,
@@ -85,12 +98,24 @@ class Updates:
             return
         if self.bridge is None:
             return
+        if self.late and all(p.late for p in self.programs.values()):
+            self._apply_late(factor)  # [Note: weights at the step's end] in stage.py
+            return
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
         for j, (_, s, i) in enumerate(self.unique):
             found = grads[s].sparse.get(i)
             if found is not None:
                 sparse[str(j)] = found
         self.bridge.apply([grads[s].accumulators[i] for _, s, i in self.unique], sparse, factor)
+
+    def _apply_late(self, factor: float) -> None:
+        update = self._late_update or DirectUpdate(self.optimizer)
+        if not all(p.apply_late(update, factor) for p in self.programs.values()):
+            raise StepError(
+                f"{self.rank_tag} Non-finite weight gradients on this rank; they are computed "
+                f"during the update ([Note: weights at the step's end]), so variables with "
+                f"finite gradients were updated. Lower the learning rate, check the data, or "
+                f"set nonfinite='skip' to skip such updates on every rank.")
 
     def skipped(self) -> bool:
         """A skipped step: the loss-scale optimizer lowers its scale (True), else nothing."""

@@ -116,6 +116,15 @@ class RunPlan:
                 and not (self.split_stages & set(self.stages(rank)))
                 and not self.tied and not self.xla and self.nonfinite == "raise")
 
+    def late_possible(self, rank: int) -> bool:
+        """Whether ``rank``'s linear layers may take their weight gradients at the step's end
+        ([Note: weights at the step's end] in tfsmp/runtime/stage.py): `direct_possible` but
+        for the microbatch count, which is above one. The memory model asks the same."""
+        return (self.num_microbatches > 1 and self.data_parallel == 1
+                and len(self.stages(rank)) == 1
+                and not (self.split_stages & set(self.stages(rank)))
+                and not self.tied and not self.xla and self.nonfinite == "raise")
+
     def updates_directly(self, rank: int, optimizer_allows_direct: bool) -> bool:
         """Whether ``rank`` updates its variables in its backward (then it keeps no
         accumulators); ``optimizer_allows_direct``: the optimizer updates variable by variable
