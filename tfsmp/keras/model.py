@@ -37,6 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfsmp.comm import collective_label
 from tfsmp.errors import StepError
 from tfsmp.keras.data import agree_shuffle_seed, sampler
 from tfsmp.keras.overrides import check_overrides, check_trainable
@@ -392,6 +393,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         """Keras's progress bar on world rank 0 only (every rank runs Keras's loop)."""
         return verbose if self.runtime_state().rank == 0 else 0
 
+    @collective_label("DistributedModel.fit")
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
             verbose: Any = "auto", callbacks: Any = None, **kwargs: Any) -> Any:
         """Keras's `fit`, unchanged ([Note: Keras's trainer drives]); ``batch_size`` is the
@@ -416,6 +418,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         agree_finished(self, "fit")
         return history
 
+    @collective_label("DistributedModel.evaluate")
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
                  verbose: Any = "auto", sample_weight: Any = None, steps: int | None = None,
                  callbacks: Any = None, return_dict: bool = False, **kwargs: Any) -> Any:
@@ -429,6 +432,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             agree_finished(self, "evaluate")
         return logs
 
+    @collective_label("DistributedModel.predict")
     def predict(self, x: Any, batch_size: int | None = None, verbose: Any = "auto",
                 steps: int | None = None, callbacks: Any = None) -> Any:
         """Keras's `predict`, unchanged: the outputs on every rank."""
@@ -499,6 +503,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         mine = {id(v) for v in self._view().held_variables().values()}
         return {i for i, v in enumerate(self._all_variables()) if id(v) in mine}
 
+    @collective_label("DistributedModel.get_weights")
     def get_weights(self) -> list[np.ndarray]:
         """All weights of the whole model, in the wrapped model's order, on every rank."""
         if self._engine is None:
@@ -512,6 +517,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         out: list[np.ndarray] = [merged[i] for i in range(len(variables))]
         return out
 
+    @collective_label("DistributedModel.set_weights")
     def set_weights(self, weights: list[Any]) -> None:
         """Sets all weights (the whole model's list); each rank assigns only its own."""
         if self._engine is None:

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tfsmp.comm import collective_label
 from tfsmp.errors import StepError
 from tfsmp.keras import trainer_metrics
 from tfsmp.keras.data import batch_digest, different_ranks, same_batch_error
@@ -68,7 +69,8 @@ def _agree(model: DistributedModel, batch: Any, phase: str,
     world = state.comm.world
     failed = None if error is None else f"{type(error).__name__}: {error}".splitlines()[0]
     mine = (phase, batch is not None, None if batch is None else batch_digest(batch), failed)
-    everyone = world.allgather_obj(mine)
+    with collective_label("the per-step batch agreement", api=False):
+        everyone = world.allgather_obj(mine)
     tag = f"[{state.tag()}]"
     failures = [(r, e) for r, (*_, e) in enumerate(everyone) if e is not None]
     if failures:
@@ -118,7 +120,8 @@ def agree_finished(model: DistributedModel, phase: str) -> None:
     data had more batches would otherwise wait in its next step for ever)."""
     if model.rank_view is None and not model.runtime_state().comm.world.size > 1:
         return
-    _agree(model, None, phase)
+    with collective_label("the end-of-data agreement", api=False):
+        _agree(model, None, phase)
 
 
 class TrainerSteps:
@@ -217,6 +220,7 @@ class TrainerSteps:
 def gather_outputs(view: Any, result: Any) -> list[np.ndarray]:
     """The outputs of every replica's rows, in batch order, on every rank."""
     flat = trainer_metrics.replica_outputs(view, result)
-    got: list[np.ndarray] = view.groups.pipeline.bcast_obj(
-        None if flat is None else [a for a, _ in flat], root=view.last_rank)
+    with collective_label("the outputs' broadcast", api=False):
+        got: list[np.ndarray] = view.groups.pipeline.bcast_obj(
+            None if flat is None else [a for a, _ in flat], root=view.last_rank)
     return got
