@@ -20,7 +20,7 @@ CASES = ["case_callbacks_m2", "case_shuffled_arrays_m2", "case_pydataset_shuffle
          "case_freeze_and_recompile_m2", "case_save_keras_file_m2",
          "case_optimizer_state_everywhere_m2", "case_refusals_m4", "case_swap_ema_weights_m2",
          "case_terminate_on_nan_m2", "case_string_inputs_m2", "case_balancing_loss_m1",
-         "case_balancing_loss_m4", "case_tfsmp_backup_positions_m2"]
+         "case_balancing_loss_m4", "case_tfsmp_backup_positions_m2", "case_unplannable_m2"]
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +114,9 @@ def test_tfsmp_backups_at_an_epochs_last_step_and_after_the_last_epoch_resume(
     assert r["resumed_from"] == {"epoch": 0, "step": r["steps"]}
     assert r["resumed_same"] and r["covered_same"], r
     assert r["covered_iterations"] == 2 * r["steps"]  # the optimizer's state came back too
+
+
+def test_a_model_too_small_for_the_stages_is_refused_on_every_rank(results: dict) -> None:
+    for r in case_results(results, "case_unplannable_m2"):
+        assert r.startswith("PartitionError: "), r
+        assert "Every stage needs at least one layer" in r

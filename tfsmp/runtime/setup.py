@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tfsmp.errors import ConfigError, PartitionError
+from tfsmp import errors
+from tfsmp.errors import PartitionError, StepError, TfsmpError
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.runtime.engine import Engine
 from tfsmp.runtime.objective import Objective
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
 
 __all__ = ["build_engine", "make_plan", "make_schedule", "optimizer_name", "rebuild_engine"]
 
-_REFUSED = "refused: "  # world rank 0's answer instead of a plan ([Note: the launcher obeys the model])
 
 
 def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str, int] | None = None,
@@ -172,7 +172,8 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
         traced = trace(model, sample_input=sample_x)
     manual = assignment(traced, placed) if not config.auto_partition else None
     world = state.comm.world
-    text = None
+    answer: tuple[str, str] = ("plan", "")
+    failed: TfsmpError | None = None
     if world.rank == 0:
         _cost_with_batch(traced, sample_x)
         if profile_batch is not None:
@@ -180,14 +181,19 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
 
             profile(traced, profile_batch)
         try:
-            text = make_plan(traced, config, optimizer, manual, keep_ties=subclassed,
-                             step_samples=_rows(sample_x),
-                             data_parallel=state.comm.data.size).to_json()
-        except ConfigError as e:  # a plan above the memory cap: refused on every rank alike
-            text = _REFUSED + str(e)
-    text = world.bcast_obj(text, root=0)
-    if text.startswith(_REFUSED):
-        raise ConfigError(f"{rank_tag} {text[len(_REFUSED):]}")
+            answer = ("plan", make_plan(traced, config, optimizer, manual, keep_ties=subclassed,
+                                        step_samples=_rows(sample_x),
+                                        data_parallel=state.comm.data.size).to_json())
+        except TfsmpError as e:  # a plan above the memory cap, a model too small for the
+            # stages, ...: refused on every rank alike, never on rank 0 alone while the others
+            # wait for the plan
+            failed, answer = e, (type(e).__name__, str(e))
+    kind, text = world.bcast_obj(answer, root=0)
+    if kind != "plan":
+        if failed is not None:
+            raise failed
+        refusal = getattr(errors, kind, StepError)  # the same error class on every rank
+        raise refusal(f"{rank_tag} {text}")
     plan = StagePlan.from_json(text)
     # the one placement of the job: stage -> pipeline rank (tfsmp/schedule/placement.py)
     placement = RunPlan.for_config(config).placement

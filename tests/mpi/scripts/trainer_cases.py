@@ -450,3 +450,17 @@ def case_tfsmp_backup_positions_m2(ctx: Any) -> dict[str, Any]:
             "covered_same": _same_weights(third.get_weights(), want),
             "covered_iterations": int(third.optimizer.iterations.numpy()),
             "steps": steps}
+
+
+def case_unplannable_m2(ctx: Any) -> str:
+    """A model with fewer layers than stages: every rank raises the planner's error (rank 1
+    waited for the plan for ever while rank 0 alone raised)."""
+    x, y = _data()
+    reinit({"partitions": 2, "stall_timeout": 60}, microbatches=2)
+    dm = tfsmp.DistributedModel(keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)]))
+    dm.compile(optimizer="sgd", loss="mse")
+    try:
+        dm.fit(x, y, batch_size=BATCH, verbose=0)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
