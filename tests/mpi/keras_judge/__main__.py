@@ -1,0 +1,98 @@
+"""``python -m tests.mpi.keras_judge``: Keras's shipped tests, plain and wrapped in tfsmp.
+
+Examples::
+
+    python -m tests.mpi.keras_judge                                  # every default file
+    python -m tests.mpi.keras_judge --files callbacks/*_test.py -k early_stopping
+    python -m tests.mpi.keras_judge --files saving/saving_api_test.py --json /tmp/s.json --md -
+
+Writes docs/keras_tests.json and docs/keras_tests.md by default and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.mpi.keras_judge import report, runner
+from tests.mpihelp import REPO_ROOT
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"keras": version("keras"), "tensorflow": version("tensorflow-cpu")}
+
+
+def _commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                          capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
+
+
+def judge(files: list[str], keyword: str | None, workdir: Path, log: Any = print,
+          reuse: bool = False) -> dict[str, Any]:
+    """Runs ``files`` plainly, then the tests that compile a model wrapped; the report's data
+    (``reuse``: only read what a run left in ``workdir``)."""
+    if reuse:
+        plain, wrapped = runner.load(workdir / "plain", 1), runner.load(workdir / "wrapped", 2)
+    else:
+        log(f"plain Keras, 1 process: {len(files)} files")
+        plain = runner.run_plain(files, workdir / "plain", keyword, log=log)
+        judged = {t for t, per in plain.tests.items()
+                  if (per[0].props.get("judge") or {}).get("compiled")}
+        log(f"wrapped, 2 ranks: {len(judged)} of {len(plain.tests)} tests compile a model")
+        wrapped = runner.run_wrapped(files, workdir / "wrapped", judged, keyword, log=log)
+    tests = report.verdicts(plain, wrapped)
+    return {
+        **_versions(),
+        "config": runner.CONFIG,
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python -m tests.mpi.keras_judge", *sys.argv[1:]]),
+        "seconds": {"plain": round(plain.seconds, 1), "wrapped": round(wrapped.seconds, 1)},
+        "launches": len(wrapped.launches),
+        "launch_log": {"plain": plain.launches, "wrapped": wrapped.launches},
+        "files": report.summarize(tests, {**plain.collect_errors, **wrapped.collect_errors}),
+        "tests": tests,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.mpi.keras_judge",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--files", nargs="+", default=list(runner.DEFAULT_FILES),
+                        help="test files or globs under keras/src (default: %(default)s)")
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
+    parser.add_argument("--json", default=str(REPO_ROOT / "docs" / "keras_tests.json"),
+                        help="where to write the data ('-': nowhere)")
+    parser.add_argument("--md", default=str(REPO_ROOT / "docs" / "keras_tests.md"),
+                        help="where to write the Markdown report ('-': nowhere)")
+    parser.add_argument("--workdir", default=None, help="keep the per-rank records here")
+    parser.add_argument("--report-only", action="store_true",
+                        help="launch nothing: report what a run left in --workdir")
+    args = parser.parse_args(argv)
+    files = runner.resolve_files(args.files)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tfsmp-keras-judge-") as tmp:
+        workdir = Path(args.workdir) if args.workdir else Path(tmp)
+        data = judge(files, args.keyword, workdir, reuse=args.report_only)
+    text = report.markdown(data)
+    if args.json != "-":
+        Path(args.json).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    if args.md != "-":
+        Path(args.md).write_text(text)
+    print(text)
+    print(f"total {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
