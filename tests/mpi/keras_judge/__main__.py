@@ -37,19 +37,38 @@ def _commit() -> str:
     return proc.stdout.strip() or "unknown"
 
 
-def judge(files: list[str], keyword: str | None, workdir: Path, log: Any = print,
+def _merge(results: list[runner.RunResult]) -> runner.RunResult:
+    merged = runner.RunResult()
+    for r in results:
+        merged.tests.update(r.tests)
+        merged.collect_errors.update(r.collect_errors)
+        merged.launches.extend(r.launches)
+        merged.seconds += r.seconds
+    return merged
+
+
+def judge(groups: list[list[str]], keyword: str | None, workdir: Path, log: Any = print,
           reuse: bool = False) -> dict[str, Any]:
-    """Runs ``files`` plainly, then the tests that compile a model wrapped; the report's data
-    (``reuse``: only read what a run left in ``workdir``)."""
-    if reuse:
-        plain, wrapped = runner.load(workdir / "plain", 1), runner.load(workdir / "wrapped", 2)
-    else:
-        log(f"plain Keras, 1 process: {len(files)} files")
-        plain = runner.run_plain(files, workdir / "plain", keyword, log=log)
-        judged = {t for t, per in plain.tests.items()
-                  if (per[0].props.get("judge") or {}).get("compiled")}
-        log(f"wrapped, 2 ranks: {len(judged)} of {len(plain.tests)} tests compile a model")
-        wrapped = runner.run_wrapped(files, workdir / "wrapped", judged, keyword, log=log)
+    """Runs each group of files plainly, then its tests that compile a model wrapped (group by
+    group, so that a run cut short reports every group it reached); the report's data.
+    ``reuse``: launch nothing, read what a run left in ``workdir``."""
+    plains, wrappeds = [], []
+    for i, files in enumerate(groups):
+        where = workdir / f"group{i}"
+        if reuse:
+            if where.exists():
+                plains.append(runner.load(where / "plain", 1))
+                wrappeds.append(runner.load(where / "wrapped", 2))
+            continue
+        log(f"[{i + 1}/{len(groups)}] plain Keras, 1 process: {' '.join(files)}")
+        plain = runner.run_plain(files, where / "plain", keyword, log=log)
+        judged = {t for t, per in plain.tests.items() if per[0].outcome == "passed"
+                  and (per[0].props.get("judge") or {}).get("compiled")}
+        log(f"[{i + 1}/{len(groups)}] wrapped, 2 ranks: {len(judged)} of {len(plain.tests)} "
+            f"tests compile a model and pass plain")
+        plains.append(plain)
+        wrappeds.append(runner.run_wrapped(files, where / "wrapped", judged, keyword, log=log))
+    plain, wrapped = _merge(plains), _merge(wrappeds)
     tests = report.verdicts(plain, wrapped)
     return {
         **_versions(),
@@ -69,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.mpi.keras_judge",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--files", nargs="+", default=list(runner.DEFAULT_FILES),
-                        help="test files or globs under keras/src (default: %(default)s)")
+                        help="test files or globs under keras/src, each a group run plain "
+                             "then wrapped (default: %(default)s)")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     parser.add_argument("--json", default=str(REPO_ROOT / "docs" / "keras_tests.json"),
                         help="where to write the data ('-': nowhere)")
@@ -79,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true",
                         help="launch nothing: report what a run left in --workdir")
     args = parser.parse_args(argv)
-    files = runner.resolve_files(args.files)
+    groups = [runner.resolve_files([pattern]) for pattern in args.files]
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tfsmp-keras-judge-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
-        data = judge(files, args.keyword, workdir, reuse=args.report_only)
+        data = judge(groups, args.keyword, workdir, reuse=args.report_only)
     text = report.markdown(data)
     if args.json != "-":
         Path(args.json).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")

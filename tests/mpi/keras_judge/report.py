@@ -8,7 +8,9 @@ A test's wrapped verdict ([Note: verdicts]):
 - ``not wrapped``: it compiled a model that could not be wrapped (a model the tracer cannot
   split into two stages, a Trainer mixed into a layer), or never reached its `DistributedModel`;
   its reason is listed, and it never counts as passing wrapped;
-- ``no model``: it compiles no model in plain Keras, so the wrapped run does not launch it.
+- ``no model``: it compiles no model in plain Keras, so the wrapped run does not launch it;
+- ``not run``: it does not pass in plain Keras (nothing to compare with), so the wrapped run does
+  not launch it (or a run cut short did not reach it).
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ def verdicts(plain: RunResult, wrapped: RunResult) -> dict[str, dict[str, Any]]:
         if not (p.props.get("judge") or {}).get("compiled"):
             rec.update(wrapped="no model", reason="compiles no model in plain Keras")
         elif test_id not in wrapped.tests:
-            rec.update(wrapped="not run", reason="deselected or not reached in the wrapped run")
+            why = ("fails or skips in plain Keras, so not run wrapped" if p.outcome != "passed"
+                   else "not reached: the wrapped run was cut short")
+            rec.update(wrapped="not run", reason=why)
         else:
             w = _merged(wrapped.tests[test_id])
             rec["wrapped_seconds"] = round(w.seconds, 2)
@@ -112,8 +116,9 @@ def summarize(tests: Mapping[str, Mapping[str, Any]],
         verdict = rec["wrapped"]
         row["pass wrapped"] += verdict == "passed"
         row["fail wrapped"] += verdict == "failed"
-        row["not wrapped"] += verdict in ("not wrapped", "no model", "not run")
+        row["not wrapped"] += verdict == "not wrapped"
         row["no model"] += verdict == "no model"
+        row["not run"] += verdict == "not run"
         row["regressions"] += rec["plain"] == "passed" and verdict == "failed"
     result = {name: dict(row) for name, row in sorted(files.items())}
     for name, why in collect_errors.items():
@@ -122,7 +127,7 @@ def summarize(tests: Mapping[str, Mapping[str, Any]],
 
 
 COLUMNS = ("tests", "pass plain", "pass wrapped", "fail wrapped", "not wrapped", "no model",
-           "regressions")
+           "not run", "regressions")
 
 
 def markdown(data: Mapping[str, Any]) -> str:
@@ -141,10 +146,11 @@ def markdown(data: Mapping[str, Any]) -> str:
         f"{data['seconds']['wrapped']:.0f} s ({data['launches']} launches) on this 2-core machine.",
         "",
         "Columns: *pass wrapped* passed on both ranks with every compiled model wrapped; *fail "
-        "wrapped* failed on a rank (or a rank died in it); *not wrapped* compiled no model that "
-        "could be wrapped or never reached it (reasons below; never counted as passing), "
-        "including *no model*, tests that compile no model at all (not launched wrapped); "
-        "*regressions* pass plain and fail wrapped.",
+        "wrapped* failed on a rank (or a rank died in it); *not wrapped* compiled a model that "
+        "could not be wrapped, or never reached it (reasons below; never counted as passing); "
+        "*no model* compile no model at all; *not run* do not pass plain (or were not reached); "
+        "neither of the last two is launched wrapped; *regressions* pass plain and fail "
+        "wrapped.",
         "",
         "| file | " + " | ".join(COLUMNS) + " |",
         "| --- |" + " ---: |" * len(COLUMNS),
