@@ -29,6 +29,7 @@ CLASSES: tuple[tuple[str, str], ...] = (
     ("tracer refusal", r"TraceError|PartitionError"),
     ("refused override", r"cannot run a model's own"),
     ("rank died or hung", r"died or hung|did not finish|ended .* differently|Timeout"),
+    ("callbacks not called", r"Non-finite values"),  # raises where TerminateOnNaN would stop
     ("data", r"same batch|shuffle|PyDataset|generator|Dataset|steps_per_epoch|batch_size"),
     ("saving", r"save|load|\.keras|\.h5|[Cc]heckpoint|compile\(\)|serializ"),
     ("metrics", r"metric|get_metrics_result|compiled_metrics|0-dimensional arrays"),

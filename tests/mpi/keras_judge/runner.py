@@ -133,21 +133,31 @@ def _pytest_argv(files: Sequence[str], out: Path, skip: Path, only: Path | None,
 
 def _run(np: int, files: Sequence[str], workdir: Path, *, mode: str, keyword: str | None,
          only: set[str] | None, log: Any = None) -> RunResult:
-    """Launches until every selected test has a result ([Note: resuming a launch])."""
+    """Launches until every selected test has a result ([Note: resuming a launch]); resumes
+    what an earlier run left in ``workdir`` (a launch it did not finish is run again)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    result = RunResult()
+    for unfinished in workdir.glob("launch*"):
+        if not (unfinished / "launch.json").exists():
+            shutil.rmtree(unfinished)
+    result = load(workdir, np)
+    first = len(result.launches)
+    if first and all(_finished(workdir / f"launch{first - 1}" / f"rank{r}.jsonl")
+                     for r in range(np)):
+        return result
     skip = workdir / "skip.txt"
-    skip.write_text("")
+    skip.write_text("\n".join(sorted(result.tests)))
     only_file = None
     if only is not None:
         only_file = workdir / "only.txt"
         only_file.write_text("\n".join(sorted(only)))
     env = {"TFSMP_JUDGE_TMP": str(workdir / "shared-tmp"), "HDF5_USE_FILE_LOCKING": "FALSE",
            "TF_ENABLE_ONEDNN_OPTS": "0"}
-    start = time.monotonic()
-    for launch in range(1000):
+    for launch in range(first, 1000):
         out = workdir / f"launch{launch}"
-        argv = _pytest_argv(files, out, skip, only_file, mode, keyword)
+        pending = _pending_files(files, only, result)
+        if not pending:
+            break
+        argv = _pytest_argv(pending, out, skip, only_file, mode, keyword)
         t0 = time.monotonic()
         try:
             res = run_mpi(np, argv, config=CONFIG if mode == "wrap" else None, env=env,
@@ -156,18 +166,30 @@ def _run(np: int, files: Sequence[str], workdir: Path, *, mode: str, keyword: st
                                             for r in range(np)}
         except MpiTimeout as e:
             code, stderr = -9, {r: str(e) for r in range(np)}
+        seconds = round(time.monotonic() - t0, 1)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "launch.json").write_text(json.dumps({"exit": code, "logs": stderr}))
         new = _collect(result, out, np, code, stderr)
+        (out / "launch.json").write_text(json.dumps({"exit": code, "logs": stderr,
+                                                     "seconds": seconds}))
         result.launches.append({"launch": launch, "exit": code, "tests": new,
-                                "seconds": round(time.monotonic() - t0, 1)})
+                                "seconds": seconds})
+        result.seconds += seconds
         if log is not None:
-            log(f"  launch {launch}: {new} tests, exit {code}, {time.monotonic() - t0:.0f} s")
+            log(f"  launch {launch}: {new} tests, exit {code}, {seconds:.0f} s")
         skip.write_text("\n".join(sorted(result.tests)))
         if new == 0 or all(_finished(out / f"rank{r}.jsonl") for r in range(np)):
             break
-    result.seconds = time.monotonic() - start
     return result
+
+
+def _pending_files(files: Sequence[str], only: set[str] | None, result: RunResult) -> list[str]:
+    """The files that still hold a selected test without a result (all, for a plain run: its
+    tests are known only once collected). A relaunch collects only these: collecting a file
+    costs its imports."""
+    if only is None:
+        return list(files)
+    wanted = {test_id.split("::")[0] for test_id in only - set(result.tests)}
+    return [f for f in files if f in wanted]
 
 
 def _finished(path: Path) -> bool:
@@ -197,6 +219,7 @@ def _collect(result: RunResult, out: Path, np: int, code: int, logs: dict[int, s
 def load(workdir: Path, np: int) -> RunResult:
     """The results a (possibly unfinished) run left in ``workdir``, without launching."""
     result = RunResult()
+    ready = None
     for launch in range(1000):
         out = workdir / f"launch{launch}"
         if not out.exists():
@@ -205,7 +228,15 @@ def load(workdir: Path, np: int) -> RunResult:
             else {"exit": None, "logs": {}}
         logs = {int(r): text for r, text in info["logs"].items()}
         new = _collect(result, out, np, info["exit"], logs)
-        result.launches.append({"launch": launch, "exit": info["exit"], "tests": new})
+        # a launch's time: recorded, or from the previous launch's end to this one's
+        # (a run's first launch without one: from its first record, missing its start-up)
+        first = min((p.stat().st_mtime for p in out.glob("rank*.jsonl")), default=0.0)
+        done = (out / "launch.json").stat().st_mtime if (out / "launch.json").exists() else first
+        seconds = info.get("seconds", round(done - (first if ready is None else ready), 1))
+        ready = done
+        result.seconds += seconds
+        result.launches.append({"launch": launch, "exit": info["exit"], "tests": new,
+                                "seconds": seconds})
     return result
 
 

@@ -53,7 +53,6 @@ import os
 import re
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -75,16 +74,19 @@ METHODS = TRAINER_ENTRIES | frozenset({
 SET_FORWARDED = frozenset({"stop_training"})
 DM_KEY = "_judge_distributed"        # instance dict: the model's DistributedModel, or None
 CHECKED_KEY = "_judge_checked"       # instance dict: the two-stage check already ran
+REFUSED_KEY = "_judge_unwrappable"   # instance dict: why it cannot be two stages
 UNWRAPPABLE = ("TraceError", "PartitionError")
 
 # The test now running: its id, the models it compiled/wrapped, the reasons some were not
 # wrapped, whether a forwarded name was used, and its temporary directories handed out so far.
 _TEST: dict[str, Any] = {}
 _MODE: dict[str, str] = {"mode": "off"}
+_ORIGINAL: dict[str, Any] = {}  # "compile": Keras's own Trainer.compile
 
 
-class _Depth(threading.local):
-    """How deep this thread is inside calls into a `DistributedModel` (0: test code)."""
+class _Depth:
+    """How deep the process is inside calls into a `DistributedModel` (0: test code). One
+    count for every thread: TensorFlow runs parts of a step on threads of its own."""
 
     value = 0
 
@@ -181,6 +183,7 @@ def _unwrap_and_call(model: Any, name: str, reason: str, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
     """Stops wrapping ``model`` ([Note: not wrapped]) and runs ``name`` as plain Keras."""
     model.__dict__[DM_KEY] = None
+    model.__dict__[REFUSED_KEY] = _one_line(reason)
     _TEST["not_wrapped"].append(_one_line(reason))
     return getattr(model, name)(*args, **kwargs)
 
@@ -265,9 +268,7 @@ def _compile_arguments(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     """``compile``'s arguments as keywords, with the optimizer object ``model`` now holds."""
     import inspect
 
-    from keras.src.trainers.trainer import Trainer
-
-    bound = inspect.signature(Trainer.compile).bind(model, *args, **kwargs)
+    bound = inspect.signature(_ORIGINAL["compile"]).bind(model, *args, **kwargs)
     arguments = dict(bound.arguments)
     arguments.pop("self")
     arguments.update(arguments.pop("kwargs", {}))
@@ -278,6 +279,9 @@ def _compile_arguments(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 def _wrap(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     import tfsmp
 
+    if model.__dict__.get(REFUSED_KEY):  # compiled again: still not two stages
+        _TEST["not_wrapped"].append(model.__dict__[REFUSED_KEY])
+        return
     arguments = _compile_arguments(model, args, kwargs)
     dm = model.__dict__.get(DM_KEY)
     with inside_distributed():
@@ -350,6 +354,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from keras.src.trainers.trainer import Trainer
 
     _MODE["mode"] = config.getoption("--judge-mode")
+    _ORIGINAL["compile"] = Trainer.compile
     Trainer.compile = _patched_compile(Trainer.compile)
     if _MODE["mode"] == "wrap":
         import tfsmp
@@ -419,5 +424,5 @@ def _abort(why: str) -> None:
     MPI.COMM_WORLD.Abort(3)
 
 
-PEER_GRACE = 20.0
+PEER_GRACE = 15.0
 _COMM: dict[str, Any] = {}
