@@ -121,7 +121,7 @@ def _pytest_argv(files: Sequence[str], out: Path, skip: Path, only: Path | None,
                  mode: str, keyword: str | None) -> list[str]:
     root = keras_src()
     argv = ["-m", "pytest", "-c", str(INI), "--rootdir", str(root), "-q", "-rN",
-            "--no-header", "--timeout", str(TEST_TIMEOUT), "--timeout-method", "thread",
+            "--no-header", "--tb=native", "--timeout", str(TEST_TIMEOUT), "--timeout-method", "thread",
             "--judge-mode", mode, "--judge-out", str(out / "rank{rank}.jsonl"),
             "--judge-skip", str(skip)]
     if only is not None:

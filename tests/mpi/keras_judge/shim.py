@@ -72,9 +72,11 @@ METHODS = TRAINER_ENTRIES | frozenset({
     "get_weights", "set_weights", "save", "save_weights", "load_weights",
     "get_metrics_result", "reset_metrics"})
 SET_FORWARDED = frozenset({"stop_training"})
-DM_KEY = "_judge_distributed"        # instance dict: the model's DistributedModel, or None
-CHECKED_KEY = "_judge_checked"       # instance dict: the two-stage check already ran
-REFUSED_KEY = "_judge_unwrappable"   # instance dict: why it cannot be two stages
+# Instance-dict keys. The DistributedModel's is a dunder name: Keras's saving walks every other
+# attribute of a model, and model -> DistributedModel -> model would never end.
+DM_KEY = "__judge_distributed__"     # the model's DistributedModel, or None
+CHECKED_KEY = "_judge_checked"       # the two-stage check already ran
+REFUSED_KEY = "_judge_unwrappable"   # why it cannot be two stages
 UNWRAPPABLE = ("TraceError", "PartitionError")
 
 # The test now running: its id, the models it compiled/wrapped, the reasons some were not
@@ -354,6 +356,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from keras.src.trainers.trainer import Trainer
 
     _MODE["mode"] = config.getoption("--judge-mode")
+    _same_seed_everywhere()
     _ORIGINAL["compile"] = Trainer.compile
     Trainer.compile = _patched_compile(Trainer.compile)
     if _MODE["mode"] == "wrap":
@@ -379,6 +382,25 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
     _reset_test(item.nodeid)
     keras.utils.set_random_seed(zlib.crc32(item.nodeid.encode()) % 2**31)
+
+
+def _same_seed_everywhere() -> None:
+    """``np.random.seed(None)`` (Keras's `test_utils.get_test_data` default) draws a seed from
+    the OS, so ranks would build different data; inside a test it seeds from the test's id and
+    how many times it was called instead, alike on every rank and in both runs."""
+    import zlib
+
+    import numpy as np
+
+    seed = np.random.seed
+
+    def same_seed(value: Any = None) -> None:
+        if value is None and _TEST:
+            _TEST["seeds"] = _TEST.get("seeds", 0) + 1
+            value = zlib.crc32(f"{_TEST['id']}#{_TEST['seeds']}".encode()) % 2**31
+        seed(value)
+
+    np.random.seed = same_seed
 
 
 @pytest.hookimpl(hookwrapper=True)
