@@ -23,13 +23,14 @@ from tests.mpihelp import REPO_ROOT
 
 REFUSALS = Path(runner.JUDGE_DIR) / "refusals.json"
 
-# Small and fast, and touching each area the issue names: callbacks reading logs and stopping
-# training, learning-rate callbacks through the optimizer, History, a trainer entry point.
+# Small and fast, and touching each area the issue names with models of two layers or more:
+# callbacks that read the logs and metrics and stop training, a NaN loss, learning-rate
+# callbacks through the optimizer and History, ModelCheckpoint's saving and loading.
 SUBSET = (
     "callbacks/early_stopping_test.py",
     "callbacks/terminate_on_nan_test.py",
     "callbacks/learning_rate_scheduler_test.py",
-    "callbacks/lambda_callback_test.py",
+    "callbacks/model_checkpoint_test.py",
 )
 
 

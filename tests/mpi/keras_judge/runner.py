@@ -224,14 +224,15 @@ def load(workdir: Path, np: int) -> RunResult:
         out = workdir / f"launch{launch}"
         if not out.exists():
             break
-        info = json.loads((out / "launch.json").read_text()) if (out / "launch.json").exists() \
-            else {"exit": None, "logs": {}}
+        if not (out / "launch.json").exists():
+            continue  # running now, or killed with its runner: its tests run again on resume
+        info = json.loads((out / "launch.json").read_text())
         logs = {int(r): text for r, text in info["logs"].items()}
         new = _collect(result, out, np, info["exit"], logs)
-        # a launch's time: recorded, or from the previous launch's end to this one's
-        # (a run's first launch without one: from its first record, missing its start-up)
+        # a launch's time: recorded, or (records of an older runner) from the previous
+        # launch's end to this one's, or from the first record's last write
         first = min((p.stat().st_mtime for p in out.glob("rank*.jsonl")), default=0.0)
-        done = (out / "launch.json").stat().st_mtime if (out / "launch.json").exists() else first
+        done = (out / "launch.json").stat().st_mtime
         seconds = info.get("seconds", round(done - (first if ready is None else ready), 1))
         ready = done
         result.seconds += seconds
