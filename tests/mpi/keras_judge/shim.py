@@ -11,7 +11,8 @@ optimizer object the model now holds (so ``model.optimizer is dm.optimizer``). T
 is swapped for a subclass, cached per class and named as the class (so saving and registered
 names do not change), whose ``__getattribute__`` sends the names in `FORWARDED` (the trainer's
 entry points, weights, saving, metrics, ``optimizer``, ``stop_training``, ``history``) and
-``model(x)`` to ``dm`` — but only from the test's own code: while a call into ``dm`` runs, the
+``model(x)`` to ``dm``, and Keras's saving functions (`saving_lib.save_model(model, ...)`...)
+get ``dm`` for the model — but only from the test's own code: while a call into ``dm`` runs, the
 model is itself again, which is what ``dm`` wraps. Compiling the same model again compiles its
 ``dm`` again (the issue's "compiling again"). The subclass defines no Keras hook of its own
 (`train_step`, `get_metrics_result`...), so tfsmp's refusal of user overrides sees the user's
@@ -296,6 +297,34 @@ def _wrap(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     _TEST["wrapped"].append(type(model).__name__)
 
 
+# -- Keras's saving functions take the DistributedModel ------------------------------------------
+
+def _redirect_saving() -> None:
+    """``saving_lib.save_model(model, path)`` and the other functions of Keras's saving API that
+    take a model get the model's `DistributedModel`, as ``model.save`` does: a user of tfsmp
+    hands them the model they train."""
+    import keras
+    from keras.src.saving import saving_api, saving_lib
+
+    for module, name in ((saving_lib, "save_model"), (saving_lib, "save_weights_only"),
+                         (saving_lib, "load_weights_only"), (saving_api, "save_model"),
+                         (saving_api, "save_weights"), (saving_api, "load_weights"),
+                         (keras.saving, "save_model"), (keras.models, "save_model")):
+        setattr(module, name, _taking_distributed(getattr(module, name)))
+
+
+def _taking_distributed(function: Callable[..., Any]) -> Callable[..., Any]:
+    def redirected(model: Any, *args: Any, **kwargs: Any) -> Any:
+        dm = getattr(model, "__dict__", {}).get(DM_KEY) if _INSIDE.value == 0 else None
+        if dm is None:
+            return function(model, *args, **kwargs)
+        _TEST["used"] = True
+        with inside_distributed():
+            return function(dm, *args, **kwargs)
+
+    return redirected
+
+
 # -- shared temporary directories ([Note: shared temporary directories]) -------------------------
 
 def _from_test_module(depth: int = 2) -> bool:
@@ -370,6 +399,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError("--judge-mode wrap needs TFSMP_JUDGE_TMP: a directory "
                                     "every rank sees. Received: it is not set.")
         _share_temp_dirs()
+        _redirect_saving()
 
 
 @pytest.hookimpl(tryfirst=True)
