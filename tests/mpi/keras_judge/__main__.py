@@ -96,10 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", default=str(REPO_ROOT / "docs" / "keras_tests.md"),
                         help="where to write the Markdown report ('-': nowhere)")
     parser.add_argument("--workdir", default=None, help="keep the per-rank records here")
+    parser.add_argument("--reverse", action="store_true",
+                        help="run each file's tests last to first: a second run started beside "
+                             "a long one meets it halfway (--report-only then merges both)")
     parser.add_argument("--report-only", action="store_true",
                         help="launch nothing: report what a run left in --workdir")
     args = parser.parse_args(argv)
     groups = [runner.resolve_files([pattern]) for pattern in args.files]
+    runner.REVERSE["on"] = args.reverse
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tfsmp-keras-judge-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)

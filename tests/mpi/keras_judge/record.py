@@ -86,6 +86,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="file of test ids (one a line) to deselect: what already ran")
     group.addoption("--judge-only", default=None,
                     help="file of test ids (one a line): deselect every other test")
+    group.addoption("--judge-reverse", action="store_true",
+                    help="run the tests in reverse order (a second run meets the first halfway)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -112,6 +114,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept
+    if config.getoption("--judge-reverse"):
+        items.reverse()
 
 
 class _Sink:

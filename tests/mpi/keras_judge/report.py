@@ -29,6 +29,8 @@ CLASSES: tuple[tuple[str, str], ...] = (
     ("tracer refusal", r"TraceError|PartitionError"),
     ("refused override", r"cannot run a model's own"),
     ("rank died or hung", r"died or hung|did not finish|ended .* differently|Timeout"),
+    # a rank reads a variable another stage owns (Keras code walking model.weights)
+    ("weights released on other ranks", r"storage was released"),
     ("callbacks not called", r"Non-finite values"),  # raises where TerminateOnNaN would stop
     ("data", r"same batch|shuffle|PyDataset|generator|Dataset|steps_per_epoch|batch_size"),
     ("saving", r"save|load|\.keras|\.h5|[Cc]heckpoint|compile\(\)|serializ"),
@@ -145,6 +147,8 @@ def markdown(data: Mapping[str, Any]) -> str:
         f"{data['keras']}, TensorFlow {data['tensorflow']}, tfsmp at `{data['commit']}`, "
         f"{data['date']}; plain run {data['seconds']['plain']:.0f} s, wrapped run "
         f"{data['seconds']['wrapped']:.0f} s ({data['launches']} launches) on this 2-core machine.",
+        "",
+        f"Command: `{data['command']}`.",
         "",
         "Columns: *pass wrapped* passed on both ranks with every compiled model wrapped; *fail "
         "wrapped* failed on a rank (or a rank died in it); *not wrapped* compiled a model that "

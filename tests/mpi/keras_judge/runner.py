@@ -40,6 +40,7 @@ DEFAULT_FILES = (
     "models/model_test.py",
 )
 CONFIG = {"partitions": 2, "microbatches": 2, "stall_timeout": 60}
+REVERSE = {"on": False}  # run tests last to first (`--reverse`: a second run of a long file)
 TEST_TIMEOUT = 180      # seconds one test may take on a rank before pytest-timeout kills it
 LAUNCH_TIMEOUT = 7200   # seconds for one launch (a whole file set); per-test limits come first
 
@@ -128,6 +129,8 @@ def _pytest_argv(files: Sequence[str], out: Path, skip: Path, only: Path | None,
         argv += ["--judge-only", str(only)]
     if keyword:
         argv += ["-k", keyword]
+    if REVERSE["on"]:
+        argv.append("--judge-reverse")
     return argv + [str(root / f) for f in files]
 
 
