@@ -144,8 +144,22 @@ def _forwarding_class(cls: type) -> type:
         with inside_distributed():
             return dm(*args, **kwargs)
 
+    def __reduce__(self: Any) -> Any:
+        # pickle.dumps(model) pickles what a user of tfsmp pickles, the DistributedModel;
+        # an unwrapped model pickles as its own class (the subclass has the class's name)
+        dm = self.__dict__.get(DM_KEY)
+        if dm is not None and _INSIDE.value == 0:
+            _TEST["used"] = True
+            with inside_distributed():
+                return dm.__reduce__()
+        reduced = cls.__reduce__(self)
+        if reduced and getattr(reduced[0], "__self__", None) is sub:  # KerasSaveable's
+            reduced = (getattr(cls, reduced[0].__name__), *reduced[1:])
+        return reduced
+
     sub = type(cls.__name__, (cls,), {
         "__getattribute__": __getattribute__, "__setattr__": __setattr__, "__call__": __call__,
+        "__reduce__": __reduce__,
         "__module__": cls.__module__, "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__})
     from keras.src.saving import object_registration
