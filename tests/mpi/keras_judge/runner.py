@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -109,9 +110,11 @@ def _read_records(path: Path) -> tuple[dict[str, Outcome], list[str], dict[str, 
 
 
 def _last_words(text: str, limit: int = 300) -> str:
-    """The most telling line of a dead rank's output (an error, a timeout, an abort)."""
+    """The most telling line of a dead rank's output (the shim's abort, a timeout, an error)."""
+    text = re.sub(r"\x1b\[[0-9;]*m|\x00", "", text)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for key in ("Timeout", "stall_timeout", "StepError", "Error", "Abort", "abort", "Fatal"):
+    for key in ("[judge]", "Timeout", "stall_timeout", "StepError", "Error", "Abort", "abort",
+                "Fatal"):
         hits = [ln for ln in lines if key in ln]
         if hits:
             return hits[-1][:limit]
@@ -211,7 +214,7 @@ def _collect(result: RunResult, out: Path, np: int, code: int, logs: dict[int, s
         for test_id in started:
             if test_id not in ended:  # the test this rank was running when the launch ended
                 why = f"rank {r} died or hung in this test (launch exit {code}): " \
-                      f"{_last_words(logs.get(r, ''))}"
+                      f"{_last_words(chr(10).join(logs.values()))}"
                 result.tests.setdefault(test_id, {})[r] = Outcome("failed", why)
     for per_rank in result.tests.values():  # a rank killed before it started the test
         for r in range(np):
