@@ -1,0 +1,122 @@
+"""``python -m tests.mpi.keras_judge``: Keras's shipped tests, plain and wrapped in tfsmp.
+
+Examples::
+
+    python -m tests.mpi.keras_judge                                  # every default file
+    python -m tests.mpi.keras_judge --files callbacks/*_test.py -k early_stopping
+    python -m tests.mpi.keras_judge --files saving/saving_api_test.py --json /tmp/s.json --md -
+
+Writes docs/keras_tests.json and docs/keras_tests.md by default and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.mpi.keras_judge import report, runner
+from tests.mpihelp import REPO_ROOT
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"keras": version("keras"), "tensorflow": version("tensorflow-cpu")}
+
+
+def _commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                          capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
+
+
+def _merge(results: list[runner.RunResult]) -> runner.RunResult:
+    merged = runner.RunResult()
+    for r in results:
+        merged.tests.update(r.tests)
+        merged.collect_errors.update(r.collect_errors)
+        merged.launches.extend(r.launches)
+        merged.seconds += r.seconds
+    return merged
+
+
+def judge(groups: list[list[str]], keyword: str | None, workdir: Path, log: Any = print,
+          reuse: bool = False) -> dict[str, Any]:
+    """Runs each group of files plainly, then its tests that compile a model wrapped (group by
+    group, so that a run cut short reports every group it reached); the report's data.
+    ``reuse``: launch nothing, read what a run left in ``workdir``."""
+    plains, wrappeds = [], []
+    for i, files in enumerate(groups):
+        where = workdir / f"group{i}"
+        if reuse:
+            if where.exists():
+                plains.append(runner.load(where / "plain", 1))
+                wrappeds.append(runner.load(where / "wrapped", 2))
+            continue
+        log(f"[{i + 1}/{len(groups)}] plain Keras, 1 process: {' '.join(files)}")
+        plain = runner.run_plain(files, where / "plain", keyword, log=log)
+        judged = {t for t, per in plain.tests.items() if per[0].outcome == "passed"
+                  and (per[0].props.get("judge") or {}).get("compiled")}
+        log(f"[{i + 1}/{len(groups)}] wrapped, 2 ranks: {len(judged)} of {len(plain.tests)} "
+            f"tests compile a model and pass plain")
+        plains.append(plain)
+        wrappeds.append(runner.run_wrapped(files, where / "wrapped", judged, keyword, log=log))
+    plain, wrapped = _merge(plains), _merge(wrappeds)
+    tests = report.verdicts(plain, wrapped)
+    return {
+        **_versions(),
+        "config": runner.CONFIG,
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python -m tests.mpi.keras_judge", *sys.argv[1:]]),
+        "seconds": {"plain": round(plain.seconds, 1), "wrapped": round(wrapped.seconds, 1)},
+        "launches": len(wrapped.launches),
+        "launch_log": {"plain": plain.launches, "wrapped": wrapped.launches},
+        "files": report.summarize(tests, {**plain.collect_errors, **wrapped.collect_errors}),
+        "tests": tests,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.mpi.keras_judge",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--files", nargs="+", default=list(runner.DEFAULT_FILES),
+                        help="test files or globs under keras/src, each a group run plain "
+                             "then wrapped (default: %(default)s)")
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
+    parser.add_argument("--json", default=str(REPO_ROOT / "docs" / "keras_tests.json"),
+                        help="where to write the data ('-': nowhere)")
+    parser.add_argument("--md", default=str(REPO_ROOT / "docs" / "keras_tests.md"),
+                        help="where to write the Markdown report ('-': nowhere)")
+    parser.add_argument("--workdir", default=None, help="keep the per-rank records here")
+    parser.add_argument("--reverse", action="store_true",
+                        help="run each file's tests last to first: a second run started beside "
+                             "a long one meets it halfway (--report-only then merges both)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="launch nothing: report what a run left in --workdir")
+    args = parser.parse_args(argv)
+    groups = [runner.resolve_files([pattern]) for pattern in args.files]
+    runner.REVERSE["on"] = args.reverse
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tfsmp-keras-judge-") as tmp:
+        workdir = Path(args.workdir) if args.workdir else Path(tmp)
+        data = judge(groups, args.keyword, workdir, reuse=args.report_only)
+    text = report.markdown(data)
+    if args.json != "-":
+        Path(args.json).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    if args.md != "-":
+        Path(args.md).write_text(text)
+    print(text)
+    print(f"total {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
