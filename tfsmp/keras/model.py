@@ -40,7 +40,7 @@ import tensorflow as tf
 from tfsmp.comm import collective_label
 from tfsmp.errors import StepError
 from tfsmp.keras.data import agree_shuffle_seed, sampler
-from tfsmp.keras.overrides import check_overrides, check_trainable
+from tfsmp.keras.overrides import check_callbacks, check_overrides, check_trainable
 
 if TYPE_CHECKING:
     from tfsmp.core import State
@@ -406,6 +406,8 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._check_compiled()
         check_overrides(self, "fit", rank_tag=self._rank_tag())
         agree_shuffle_seed(self._state.comm.world)
+        check_callbacks(fit_resume.user_callbacks(callbacks),
+                        pipeline_ranks=self._state.config.partitions, rank_tag=self._rank_tag())
         wrapped = fit_resume.fit_callbacks(self, sampler(x, batch_size), callbacks)
         self._terminate_on_nan = any(isinstance(c, keras.callbacks.TerminateOnNaN)
                                      for c in fit_resume.user_callbacks(callbacks))
@@ -459,11 +461,11 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
     def nonfinite_mode(self) -> str:
         """What a training step does with a non-finite loss or gradient: the ``nonfinite``
-        parameter, or, during a ``fit`` with Keras's ``TerminateOnNaN``, "skip": the step
-        reports the loss (NaN) without applying the update and the callback stops training,
-        where plain Keras would also have applied the non-finite update."""
+        parameter, or, during a ``fit`` with Keras's ``TerminateOnNaN``, "apply": as in plain
+        Keras, the step applies what it computed and reports the loss, and the callback stops
+        training."""
         if self._terminate_on_nan:
-            return "skip"
+            return "apply"
         return str(self.runtime_state().config.nonfinite)
 
     def fit_position(self) -> dict[str, int] | None:

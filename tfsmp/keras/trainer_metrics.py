@@ -94,8 +94,13 @@ class TrainerMetrics:
             return
         outputs = replica_outputs(view, result)
         if outputs is not None:
-            if not compiled.built:
+            first = not compiled.built
+            if first:
                 compiled.build(y, self._pack([v for v, _ in outputs]))
+                # some metrics make their variables at their first update (F1Score): the
+                # other ranks do the same update on zeros, so both hold the same variables
+                compiled.update_state(y, self._pack([np.zeros_like(v) for v, _ in outputs]))
+                compiled.reset_state()
             self._update(y, outputs, sw)
         payload = None
         if view.is_last_rank and outputs is not None:
@@ -108,7 +113,9 @@ class TrainerMetrics:
             return
         specs, values = payload
         if not compiled.built:  # the same objects as the last stage's: built from its shapes
-            compiled.build(y, self._pack([np.zeros(s, dtype=d) for s, d in specs]))
+            zeros = self._pack([np.zeros(s, dtype=d) for s, d in specs])
+            compiled.build(y, zeros)
+            compiled.update_state(y, zeros)  # variables made at the first update, as there
         for variable, value in zip(compiled.variables, values):
             variable.assign(value)
 
@@ -123,6 +130,8 @@ class TrainerMetrics:
         zeros = [np.zeros([1 if d is None else d for d in shape], dtype=dtype)
                  for shape, dtype in zip(engine.output_shapes(x), dtypes)]
         compiled.build(y, self._pack(zeros))
+        compiled.update_state(y, self._pack(zeros))
+        compiled.reset_state()
 
     def _pack(self, flat: list[Any]) -> Any:
         return self.model.rank_view_or_raise().traced.pack_outputs(

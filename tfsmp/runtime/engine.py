@@ -129,7 +129,8 @@ class Engine:
         self._shape = StepShape(0, (0,), 0, 0, 0, 0)  # the last training step's
         self.steps = 0
         self.skipped_steps = 0
-        # the config's, or "skip" while a fit has Keras's TerminateOnNaN (tfsmp/keras/model.py)
+        # the config's, or "apply" (as Keras: update whatever the gradients) while a fit has
+        # Keras's TerminateOnNaN (tfsmp/keras/model.py `nonfinite_mode`)
         self.nonfinite: str = config.nonfinite
         self._layer_losses: bool | None = None  # does any stage of the job add layer losses?
         self._state = StateWatch(self.programs, rank_tag)
@@ -341,14 +342,15 @@ class Engine:
             self.comm.world, mine, _watched,
             "every rank's finite-gradient flag and loss parts (an allgather)")
         factor = report.assemble(self.objective, result, self._shape.parts)
-        if not report.finite:
+        keras_way = self.nonfinite == "apply"  # update with whatever the step computed
+        if not report.finite and not keras_way:
             self._nonfinite(report)
             return
         if self.updates.direct:
             return  # each variable was updated in its stage's backward ([Note: direct update])
         grads = {s: r.grads for s, r in result.stages.items()}
         self.ties.reduce(grads)  # sum tied copies' gradients over their stages, before the step
-        self.updates.apply(grads, factor)
+        self.updates.apply(grads, factor, strict=not keras_way)
 
     def _nonfinite(self, report: StepReport) -> None:
         """[Note: consistent skips] Skips the update on every rank, or raises on every rank."""

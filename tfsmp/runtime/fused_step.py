@@ -133,7 +133,7 @@ class OneCallStep:
         result.term_values = self.objective.values(summed)
         result.loss = self.objective.total(result.term_values)
         loss_ok, grads_ok = bool(loss_ok), bool(grads_ok)
-        if (loss_ok and grads_ok) or nonfinite == "skip":
+        if (loss_ok and grads_ok) or nonfinite in ("skip", "apply"):
             return result, loss_ok and grads_ok
         where = "no stage" if grads_ok else f"stage {self.program.stage} from microbatch 0"
         raise StepError(

@@ -88,9 +88,12 @@ class Updates:
         self.late = late
         self._late_update = DirectUpdate(self.optimizer) if late else None
 
-    def apply(self, grads: Mapping[int, GradientState], factor: float) -> None:
+    def apply(self, grads: Mapping[int, GradientState], factor: float, strict: bool = True
+              ) -> None:
         """optimizer.apply_gradients of this step's gradients (read from the step's result,
-        [Note: results own their gradients] in gradients.py), each times ``factor``."""
+        [Note: results own their gradients] in gradients.py), each times ``factor``;
+        ``strict``: a non-finite gradient met in a late update raises (else it is applied, as
+        Keras applies it)."""
         if not self.unique and self.optimizer is not None:
             # a rank with nothing to train counts the step too: callbacks there read the
             # optimizer's iterations (and learning-rate schedules) as on every other rank
@@ -99,7 +102,7 @@ class Updates:
         if self.bridge is None:
             return
         if self.late and all(p.late for p in self.programs.values()):
-            self._apply_late(factor)  # [Note: weights at the step's end] in stage.py
+            self._apply_late(factor, strict)  # [Note: weights at the step's end] in stage.py
             return
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
         for j, (_, s, i) in enumerate(self.unique):
@@ -108,9 +111,10 @@ class Updates:
                 sparse[str(j)] = found
         self.bridge.apply([grads[s].accumulators[i] for _, s, i in self.unique], sparse, factor)
 
-    def _apply_late(self, factor: float) -> None:
+    def _apply_late(self, factor: float, strict: bool) -> None:
         update = self._late_update or DirectUpdate(self.optimizer)
-        if not all(p.apply_late(update, factor) for p in self.programs.values()):
+        finite = all([p.apply_late(update, factor) for p in self.programs.values()])
+        if strict and not finite:
             raise StepError(
                 f"{self.rank_tag} Non-finite weight gradients on this rank; they are computed "
                 f"during the update ([Note: weights at the step's end]), so variables with "
