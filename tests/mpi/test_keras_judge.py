@@ -2,8 +2,8 @@
 passes with every compiled model wrapped at partitions=2 on 2 ranks, or is a documented refusal.
 
 The default run judges a small subset (`SUBSET`: 22 tests, 3 min measured at load average ~3,
-failing on the DistributedModel of 2026-12-04 with 6 regressions, docs/keras_tests.md); the `full`
-run judges every default file (tests/mpi/keras_judge/runner.py, `DEFAULT_FILES`; about 100 min
+failing on the DistributedModel of 2026-12-04 with 6 regressions, docs/keras_tests.md);
+``TFSMP_KERAS_JUDGE=1`` judges every default file (tests/mpi/keras_judge/runner.py, `DEFAULT_FILES`; about 100 min
 measured under heavy load, most of it relaunches after one-rank failures) and writes its report
 into the test's temporary directory. The whole report: `python -m tests.mpi.keras_judge`
 (docs/keras_tests.md).
@@ -12,6 +12,7 @@ into the test's temporary directory. The whole report: `python -m tests.mpi.kera
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,9 @@ def test_keras_subset_passes_wrapped_as_plain(tmp_path: Path) -> None:
     _judge_and_check([runner.resolve_files(SUBSET)], tmp_path)
 
 
-@pytest.mark.full
+@pytest.mark.skipif(os.environ.get("TFSMP_KERAS_JUDGE") != "1",
+                    reason="every default file takes over an hour on 2 cores, beyond CI's budget: "
+                           "TFSMP_KERAS_JUDGE=1 runs it (or python -m tests.mpi.keras_judge)")
 @pytest.mark.timeout(7200)
 def test_keras_tests_pass_wrapped_as_plain(tmp_path: Path) -> None:
     _judge_and_check([runner.resolve_files([p]) for p in runner.DEFAULT_FILES], tmp_path)
