@@ -159,9 +159,8 @@ CATALOGUE: dict[str, Bad] = {
         r"^processes_per_host × instance_count must be a multiple of partitions"),
     "estimator_bad_distribution": Bad(_estimator(distribution=_mp({"partitions": 2,
                                                                    "pipeline": "1f1b"})),
-                                      ConfigError, r"^pipeline must be a value in: \['simple', "
-                                      r"'interleaved', 'zb-h1', 'zb-v'\]\. Received: "
-                                      r"pipeline='1f1b'\. '1f1b' is "
+                                      ConfigError, rf"^pipeline must be a value in: {_PIPELINES}\. "
+                                      r"Received: pipeline='1f1b'\. '1f1b' is "
                                       r"what tfsmp calls 'interleaved'"),
     "estimator_mp_without_mpi": Bad(_estimator(distribution={"smdistributed": MP["smdistributed"]}),
                                     ConfigError, r"^modelparallel needs MPI"),
