@@ -254,17 +254,18 @@ def test_branching_on_training_is_a_trace_error() -> None:
         trace(_TrainingBranch(), sample_input=np.zeros((2, 3), "float32"))
 
 
-def test_colliding_names_after_flattening_are_a_trace_error() -> None:
+def test_layers_of_one_name_in_two_nested_models_are_keyed_by_their_model() -> None:
+    """[Note: nested names]: keras_hub's CLIP has an 'embedding' in each encoder; the later one
+    is keyed by its model's path (it was a TraceError: issue 26)."""
     def inner(tag: str) -> keras.Model:
         x = keras.Input((4,))
         return keras.Model(x, layers.Dense(4, name="proj")(x), name=tag)
 
     x = keras.Input((4,), name="x")
     model = keras.Model(x, inner("one")(inner("two")(x)))
-    with pytest.raises(TraceError, match=r"unique across a model and the models nested in it\. "
-                                         r"Received: two different layers named 'proj' \(in 'two' "
-                                         r"and 'one'\)"):
-        trace(model)
+    traced = trace(model)
+    assert [c.layer_name for c in traced.calls] == ["proj", "one/proj"]
+    assert traced.layer("one/proj") is model.get_layer("one").get_layer("proj")
 
 
 class _Tied(layers.Layer):

@@ -173,7 +173,7 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
     manual = assignment(traced, placed) if not config.auto_partition else None
     world = state.comm.world
     answer: tuple[str, str] = ("plan", "")
-    failed: TfsmpError | None = None
+    failed: TfsmpError | None = None  # world rank 0's, the cause of what every rank raises
     if world.rank == 0:
         _cost_with_batch(traced, sample_x)
         if profile_batch is not None:
@@ -190,10 +190,8 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
             failed, answer = e, (type(e).__name__, str(e))
     kind, text = world.bcast_obj(answer, root=0)
     if kind != "plan":
-        if failed is not None:
-            raise failed
-        refusal = getattr(errors, kind, StepError)  # the same error class on every rank
-        raise refusal(f"{rank_tag} {text}")
+        refusal = getattr(errors, kind, StepError)  # the same error on every rank
+        raise refusal(f"{rank_tag} {text}") from failed
     plan = StagePlan.from_json(text)
     # the one placement of the job: stage -> pipeline rank (tfsmp/schedule/placement.py)
     placement = RunPlan.for_config(config).placement
