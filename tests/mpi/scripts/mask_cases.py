@@ -57,7 +57,13 @@ def _run(pipeline: str, microbatches: int, dynamic: bool = False) -> dict[str, A
     path = forced_plan(build(dynamic), lambda n, i: int(n != "emb"), 2, DIR, name)
     reinit({"partitions": 2}, microbatches=microbatches, pipeline=pipeline,
            partition_file=path)
-    out = compare(lambda: build(dynamic), _compile, data())
+    # The attention key bias's exact gradient is 0 (softmax ignores a per-query constant), so
+    # Adam moves it by lr x the sign of round-off: bounded, as in hub_cases.py. At m = 4 the
+    # linear layers' gradients are summed at the step's end ([Note: weights at the step's end]
+    # in tfsmp/runtime/stage.py), another order than plain Keras's: measured 1.26 x the
+    # tolerance on mha/key/bias alone, every other weight within rtol 1e-5, atol 1e-6.
+    out = compare(lambda: build(dynamic), _compile, data(), noise=r"(^|/)mha/key/bias$",
+                  noise_bound=STEPS * 1e-2)
     out["mask_boundaries"] = [b for b in out["boundaries"] if b.endswith("#mask")]
     return out
 
