@@ -17,7 +17,7 @@ seeded alike on every rank, as a launcher exporting one seed would be.
 Modes (each a fresh run of the whole script):
 - ``own``: the example's own flow (its shuffles) under tfsmp;
 - ``plain`` (rank 0 only): the same script with `tfsmp.DistributedModel` replaced by the identity
-  (plain Keras), and ``shuffle=False`` forced into every ``fit`` (tfsmp's order is not Keras's);
+  (plain Keras), and ``shuffle=False`` forced into every ``fit`` (kept from before tfsmp shuffled as Keras does);
 - ``parity``: tfsmp with ``shuffle=False`` forced likewise, to compare with ``plain``;
 - ``unseeded``: tfsmp with a different seed on every rank (what an unseeded script gets): the
   same-batch check must stop it.
@@ -185,14 +185,21 @@ def _recording(record: dict[str, Any], *, plain: bool, no_shuffle: bool) -> Iter
                 history = orig(self, *args, **kwargs)
             finally:
                 depth[0] -= 1
-            record["fits"].append({k: [float(v) for v in vs] for k, vs in history.history.items()})
+            if depth[0] == 0:  # DistributedModel.fit runs keras.Model.fit inside: record once
+                record["fits"].append({k: [float(v) for v in vs]
+                                       for k, vs in history.history.items()})
             return history
         return fit
 
     def evaluate_of(orig: Callable[..., Any]) -> Callable[..., Any]:
         def evaluate(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = orig(self, *args, **kwargs)
-            if depth[0] == 0:
+            outer = depth[0] == 0
+            depth[0] += 1  # DistributedModel.evaluate runs keras.Model.evaluate inside
+            try:
+                out = orig(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if outer:
                 record["evals"].append(out if isinstance(out, dict)
                                        else np.asarray(out, dtype=np.float64).tolist())
             return out
