@@ -120,3 +120,4 @@ def test_a_model_too_small_for_the_stages_is_refused_on_every_rank(results: dict
     for r in case_results(results, "case_unplannable_m2"):
         assert r.startswith("PartitionError: "), r
         assert "Every stage needs at least one layer" in r
+

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend import get_keras_mask, set_keras_mask
 
+from tfsmp.errors import StepError
 from tfsmp.runtime import microbatch as mbatch
 
 __all__ = ["TrainerMetrics", "replica_outputs"]
@@ -93,24 +94,24 @@ class TrainerMetrics:
         if compiled is None or y is None:
             return
         outputs = replica_outputs(view, result)
+        failed: Exception | None = None
+        payload: Any = None
         if outputs is not None:
-            first = not compiled.built
-            if first:
-                compiled.build(y, self._pack([v for v, _ in outputs]))
-                # some metrics make their variables at their first update (F1Score): the
-                # other ranks do the same update on zeros, so both hold the same variables
-                compiled.update_state(y, self._pack([np.zeros_like(v) for v, _ in outputs]))
-                compiled.reset_state()
-            self._update(y, outputs, sw)
-        payload = None
-        if view.is_last_rank and outputs is not None:
-            payload = ([(v.shape, v.dtype.str) for v, _ in outputs],
-                       [np.asarray(v) for v in compiled.variables])
-        if view.groups.pipeline.size == 1:
-            return
-        payload = view.groups.pipeline.bcast_obj(payload, root=view.last_rank)
+            try:
+                self._update_here(compiled, y, outputs, sw)
+            except Exception as e:  # e.g. metrics for an output that does not exist (Keras's
+                failed = e          # ValueError): every rank raises it, none waits for the rest
+            payload = (("error", type(failed).__name__, str(failed)) if failed is not None else
+                       ([(v.shape, v.dtype.str) for v, _ in outputs],
+                        [np.asarray(v) for v in compiled.variables]))
+        if view.groups.pipeline.size > 1:
+            payload = view.groups.pipeline.bcast_obj(payload, root=view.last_rank)
+        if failed is not None:
+            raise failed
         if view.is_last_rank or payload is None:
             return
+        if payload[0] == "error":
+            raise _same_error(payload[1], payload[2])
         specs, values = payload
         if not compiled.built:  # the same objects as the last stage's: built from its shapes
             zeros = self._pack([np.zeros(s, dtype=d) for s, d in specs])
@@ -118,6 +119,16 @@ class TrainerMetrics:
             compiled.update_state(y, zeros)  # variables made at the first update, as there
         for variable, value in zip(compiled.variables, values):
             variable.assign(value)
+
+    def _update_here(self, compiled: Any, y: Any, outputs: list[Output], sw: Any) -> None:
+        """The last stage's update of the compiled metrics with the global batch."""
+        if not compiled.built:
+            compiled.build(y, self._pack([v for v, _ in outputs]))
+            # some metrics make their variables at their first update (F1Score): the other
+            # ranks do the same update on zeros, so both hold the same variables
+            compiled.update_state(y, self._pack([np.zeros_like(v) for v, _ in outputs]))
+            compiled.reset_state()
+        self._update(y, outputs, sw)
 
     def ensure_built(self, engine: Any, x: Any, y: Any) -> None:
         """Builds the compiled metrics from the outputs' shapes without a step (an epoch a
@@ -149,3 +160,15 @@ class TrainerMetrics:
             if m is not None:
                 set_keras_mask(t, m)  # a compiled function's arguments carry no Keras mask
         self.model.compiled_metrics_object().update_state(y, self._pack(values), sw)
+
+
+def _same_error(kind: str, message: str) -> Exception:
+    """The last stage's error on another rank: the same built-in class (Keras's ValueError for
+    a bad metric), else a StepError naming it."""
+    import builtins
+
+    cls = getattr(builtins, kind, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        return cls(message)
+    return StepError(f"The last stage's rank failed updating the compiled metrics. Received: "
+                     f"{kind}: {message}")

@@ -464,3 +464,4 @@ def case_unplannable_m2(ctx: Any) -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
