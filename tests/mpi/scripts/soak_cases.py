@@ -40,7 +40,8 @@ def trace_counts(dm: tfsmp.DistributedModel) -> dict[str, int]:
     bridge = engine._bridge  # the optimizer step's functions (tfsmp/runtime/optimizer_options.py)
     fns: dict[str, Any] = {"apply": getattr(bridge, "_apply_fn", None),
                            "apply_deferred": getattr(bridge, "_deferred_fn", None),
-                           "metrics": dm._metrics_fn}
+                           # Keras's metric objects' update on the last stage (issue 26)
+                           "metrics": getattr(dm._trainer_steps.metrics, "_update_fn", None)}
     for s, prog in engine.programs.items():
         for name in ("_fwd", "_bwd_recompute", "_fused", "_accumulate", "_fwd_split", "_weight"):
             fns[f"stage{s}{name}"] = getattr(prog, name)
