@@ -243,8 +243,9 @@ def predict_memory(plan: StagePlan, graph: LayerGraph, settings: MemorySettings
     for rank in range(s.partitions):
         mine = [stages[st] for st in run.stages(rank)]
         direct = _direct(mine, run.direct_possible(rank), s)
+        late = _late(mine, run.late_possible(rank), s)
         out.append(_rank(rank, mine, compute.get(rank, []), split, plan.num_stages - 1, s,
-                         direct))
+                         direct, late))
     return out
 
 
@@ -266,8 +267,7 @@ def _direct(mine: Sequence[StageMemory], possible: bool, s: MemorySettings) -> b
 
 
 def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], split: set[int],
-          last: int, s: MemorySettings, direct: bool) -> RankMemory:
-    late = _late(mine, split, s)
+          last: int, s: MemorySettings, direct: bool, late: set[int]) -> RankMemory:
     b = s.batch_size / s.microbatches  # samples per microbatch
     buffers = s.batch_size * sum(m.received_sample + m.sent_sample for m in mine)
     walk = _ActivationWalk({m.stage: m for m in mine}, split | late, last, b, s.optimize)
@@ -292,13 +292,11 @@ def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], spl
         activations=int(max(peak, step)), direct=direct, held=held)
 
 
-def _late(mine: Sequence[StageMemory], split: set[int], s: MemorySettings) -> set[int]:
+def _late(mine: Sequence[StageMemory], possible: bool, s: MemorySettings) -> set[int]:
     """The rank's stages whose linear layers' weight gradients are computed at the step's end
-    ([Note: weights at the step's end] in tfsmp/runtime/stage.py): where the rank would update
-    directly but for the microbatch count, and `late_weights_pay` for the stage."""
-    if (s.direct is False or s.microbatches == 1 or s.data_parallel != 1 or len(mine) != 1
-            or split.intersection(m.stage for m in mine) or any(m.copies for m in mine)
-            or s.nonfinite != "raise"):
+    ([Note: weights at the step's end] in tfsmp/runtime/stage.py): where the run allows it
+    (`RunPlan.late_possible`, the runtime's own rule) and `late_weights_pay` for the stage."""
+    if s.direct is False or not possible or any(m.copies for m in mine):
         return set()
     return {m.stage for m in mine
             if late_weights_pay(s.batch_size * m.linear_sample, min(m.linear, m.trainable))}
