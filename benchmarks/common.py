@@ -106,7 +106,7 @@ def launch(np: int, module: str, func: str, args: Mapping[str, Any], *, timeout:
     Raises:
         BenchError: the job failed, timed out, or rank 0 printed no result.
     """
-    from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
+    from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun, fresh_session
 
     prefix: list[str] = []
     if memory_per_rank is not None:
@@ -116,7 +116,7 @@ def launch(np: int, module: str, func: str, args: Mapping[str, Any], *, timeout:
     argv = build_mpirun_command(np, ["-m", "benchmarks.worker", module, func, json.dumps(dict(args))],
                                 mpirun=find_mpirun(), rank_prefix=prefix)
     start = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(fresh_session(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_job_env(threads, env), cwd=REPO_ROOT, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

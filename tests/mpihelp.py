@@ -62,6 +62,7 @@ from tfsmp.launch.mpirun import (
     TAG_OUTPUT_PATTERN,
     build_mpirun_command,
     find_mpirun,
+    fresh_session,
     launcher_never_started,
 )
 
@@ -203,8 +204,8 @@ def run_mpi(np: int, argv: Sequence[str | os.PathLike[str]], *,
         job_env["SM_HP_MP_PARAMETERS"] = json.dumps(dict(config))
     for attempt in range(LAUNCH_ATTEMPTS):
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=job_env, cwd=REPO_ROOT, start_new_session=True)
+        proc = subprocess.Popen(fresh_session(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=job_env, cwd=REPO_ROOT, start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from tests.mpihelp import REPO_ROOT, SCRIPTS, base_env, run_cases, run_mpi
-from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
+from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun, fresh_session
 
 pytestmark = pytest.mark.mpi
 CASES = SCRIPTS / "checkpoint_cases.py"
@@ -77,7 +77,7 @@ def killed(ckpt_dir: Path) -> dict[str, Any]:
     tmp = ckpt_dir / "kill" / "ckpt-2.tmp"
     pid_files = [ckpt_dir / "kill_pids" / f"rank{r}" for r in (0, 1)]
     with open(ckpt_dir / "kill_job.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+        proc = subprocess.Popen(fresh_session(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                 env=base_env({"TFSMP_TEST_SLOW_SAVE": "2"}),
                                 start_new_session=True)
         deadline = time.monotonic() + 150

@@ -189,3 +189,22 @@ def test_only_a_launcher_that_died_before_any_rank_counts_as_never_started() -> 
     assert not launcher_never_started(213, pmix, rank_output="[1,0]<stdout>: hello")
     assert not launcher_never_started(213, "[1,0]<stderr>: Traceback\n" + pmix)
     assert not launcher_never_started(1, "Traceback (most recent call last):\nValueError: boom")
+
+
+def test_fresh_session_removes_only_the_stale_folder_under_the_commands_own_pid(tmp_path) -> None:
+    # [Note: launcher start-up failures]: the command keeps the wrapper's pid (exec), so the
+    # folder named after that pid is the only one it removes; arguments pass through verbatim.
+    import subprocess
+
+    from tfsmp.launch.mpirun import fresh_session
+    other = tmp_path / "ompi.1"
+    other.mkdir()
+    plant = 'mkdir -p "$TMPDIR/ompi.$$/0" && echo stale > "$TMPDIR/ompi.$$/pmix.h.tool"; exec "$@"'
+    show = 'echo "$$"; ls "$TMPDIR"; printf "<%s>" "$@"'
+    argv = ["/bin/sh", "-c", plant, "plant",
+            *fresh_session(["/bin/sh", "-c", show, "show", "a b", "$HOME", "'q'"])]
+    out = subprocess.run(argv, env={"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    pid = out[0]
+    assert f"ompi.{pid}" not in out and "ompi.1" in out
+    assert out[-1] == "<a b><$HOME><'q'>"

@@ -29,7 +29,7 @@ from tfsmp.estimator.layout import archive_dir, write_json
 from tfsmp.estimator.plan import JobPlan
 from tfsmp.launch import ownjob
 from tfsmp.launch import sagemaker as sm
-from tfsmp.launch.mpirun import launcher_never_started
+from tfsmp.launch.mpirun import fresh_session, launcher_never_started
 from tfsmp.launch.output import OutputFilter, tf_logs_wanted
 
 __all__ = ["LocalTrainingJob", "UnexpectedStatusException"]
@@ -177,7 +177,7 @@ class LocalTrainingJob:
             len(self.plan.commands) > 1 else [""] * len(self.plan.commands)
         for argv, extra, tag in zip(self.plan.commands, self.plan.host_env, tags):
             proc = subprocess.Popen(
-                argv, cwd=self.plan.paths.code, env={**self.plan.env, **extra,
+                fresh_session(argv), cwd=self.plan.paths.code, env={**self.plan.env, **extra,
                                                      **self._attempt_env}, text=True,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                 errors="replace")

@@ -85,7 +85,7 @@ def mpi_check(timeout: float = 60.0) -> tuple[bool, str]:
     Returns:
         (passed, one-line detail).
     """
-    from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
+    from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun, fresh_session
 
     try:
         mpirun = find_mpirun()
@@ -96,7 +96,7 @@ def mpi_check(timeout: float = 60.0) -> tuple[bool, str]:
         script.write_text(MPI_CHECK_SCRIPT)
         argv = build_mpirun_command(2, [str(script)], mpirun=mpirun, tag_output=False)
         start = time.monotonic()
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(fresh_session(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:
             out, _ = proc.communicate(timeout=timeout)

@@ -25,22 +25,52 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["CONFIG_ENV", "LOCAL_ONLY_FLAGS", "TAG_OUTPUT_PATTERN", "build_mpirun_command", "find_mpirun", "is_root",
-           "launcher_never_started"]
+__all__ = [
+    "CONFIG_ENV",
+    "LOCAL_ONLY_FLAGS",
+    "TAG_OUTPUT_PATTERN",
+    "build_mpirun_command",
+    "find_mpirun",
+    "fresh_session",
+    "is_root",
+    "launcher_never_started",
+]
 
 CONFIG_ENV = "SM_HP_MP_PARAMETERS"
 # `--tag-output` prefixes each line of rank R's output as "[<jobid>,R]<stdout>: ".
 TAG_OUTPUT_PATTERN = r"^\[\d+,(\d+)\]<(stdout|stderr)>: ?(.*)$"
 
 
-# [Note: launcher start-up failures] Open MPI 5's launcher occasionally fails to bind its PMIx
-# listener on a busy machine (open-mpi/ompi#1986, lfortran/lfortran#8610; seen once in ~150
-# test launches here): it prints one of these and exits at once, before any rank exists.
-# Nothing of the job ran, so launching it again is safe.
+# [Note: launcher start-up failures] Open MPI 5's launcher keeps its session in
+# `$TMPDIR/ompi.<its pid>` (PMIx rendezvous sockets among it) and removes it when it ends; a
+# launcher killed by SIGKILL (a timeout, the OOM killer, a test's fault) leaves it behind. When
+# a later launcher gets the same pid (pids wrap at 32768 here, and every TensorFlow thread takes
+# one, so this happens within hours of a test run), its PMIx listener cannot bind over the stale
+# socket: it prints the first message below and exits with 213 before any rank exists (CI run of
+# stop 31; reproduced by planting a stale folder under the next launcher's pid). `fresh_session`
+# removes that folder in the launcher's own process right before it becomes mpirun, so the
+# cause is gone; `launcher_never_started` still recognizes the message for launchers we do not
+# start ourselves (horovodrun's), where launching again is safe since nothing of the job ran.
 LAUNCHER_STARTUP_FAILURES = (
     "The PMIx server's listener thread failed to start",
     "PMIx_server_init failed",
 )
+
+# Run by /bin/sh, whose pid `$$` becomes the command's pid at `exec`: no live process can own a
+# session folder under that pid, so it is stale. Open MPI's temp folder is TMPDIR, TEMP, TMP, /tmp.
+_FRESH_SESSION = ('d="${TMPDIR:-${TEMP:-${TMP:-/tmp}}}/ompi.$$"; '
+                  'if [ -d "$d" ] && [ -O "$d" ]; then rm -rf -- "$d"; fi; exec "$@"')
+
+
+def fresh_session(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that a stale Open MPI session folder under its pid is removed first.
+
+    The command keeps its pid (``exec``), so signals and waits reach it unchanged; see
+    [Note: launcher start-up failures]. Harmless for commands that are not mpirun.
+    """
+    if os.name != "posix" or not os.path.exists("/bin/sh"):
+        return list(argv)
+    return ["/bin/sh", "-c", _FRESH_SESSION, "tfsmp-fresh-session", *argv]
 
 
 def launcher_never_started(returncode: int | None, output: str, rank_output: str = "") -> bool:

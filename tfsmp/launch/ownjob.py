@@ -51,6 +51,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from tfsmp.launch.mpirun import fresh_session
+
 __all__ = ["DEFAULT_GRACE", "GRACE_ENV", "KILL_AFTER", "STOP_SIGNALS", "Stopper",
            "grace_seconds", "guard_main", "guarded", "kill_session", "popen_kwargs",
            "session_processes", "sweep"]
@@ -148,7 +150,7 @@ def guard_main(argv: list[str]) -> int:
     signal.signal(PARENT_GONE, parent_gone)
     if os.getppid() == 1:  # the launcher died before the guard could listen
         parent_gone(PARENT_GONE, None)
-    children.append(subprocess.Popen(argv))
+    children.append(subprocess.Popen(fresh_session(argv)))  # keeps its pid: see there
     for waiting in pending:
         forward(waiting, None)
     code = children[0].wait()
