@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -232,7 +234,7 @@ def _run_mode(name: str, mode: str, shared_dir: str) -> dict[str, Any]:
     keras.backend.clear_session()
     rank = _world_rank()
     keras.utils.set_random_seed(SEED + (rank if mode == "unseeded" else 0))
-    cwd = tempfile.mkdtemp(prefix=f"kerasio-{mode}-r{rank}-") if mode == "plain" else shared_dir
+    cwd = _own_tmp(f"kerasio-{mode}-r{rank}-") if mode == "plain" else shared_dir
     os.chdir(cwd)
     with _recording(record, plain=mode == "plain", no_shuffle=mode in ("plain", "parity")):
         try:
@@ -254,8 +256,15 @@ def _shared_dir() -> str:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    path = tempfile.mkdtemp(prefix="kerasio-") if world.Get_rank() == 0 else None
+    path = _own_tmp("kerasio-") if world.Get_rank() == 0 else None
     return str(world.bcast(path, root=0))
+
+
+def _own_tmp(prefix: str) -> str:
+    """A new temp folder, removed when this rank's process ends (what the example wrote)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def _example(text: str) -> tuple[str, str | None]:

@@ -11,6 +11,8 @@ docs/keras_semantics.md's (tests/pure/test_keras_semantics_doc.py keeps them in 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import tempfile
@@ -388,10 +390,16 @@ def _plan_file(build: Callable[[], keras.Model], cut: str, x: Any, rank: int) ->
     stage_of = {n: 0 for n in names[:last + 1]}
     stage_of.update({n: 1 for n in names[last + 1:] if n not in stage_of})
     plan = StagePlan.from_assignment(traced.graph, stage_of, 2)
-    path = os.path.join(tempfile.gettempdir(), f"tfsmp-conformance-{os.getpid()}-{rank}.json")
-    with open(path, "w") as f:
+    fd, path = tempfile.mkstemp(prefix=f"tfsmp-conformance-{rank}-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
         f.write(plan.to_json())
+    atexit.register(_remove, path)  # the run reads it while it trains: gone when the rank ends
     return path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
 
 
 def _close(a: Any, b: Any) -> bool:

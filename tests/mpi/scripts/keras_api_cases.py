@@ -80,6 +80,10 @@ def case_callbacks_act_on_every_rank(ctx: object) -> dict[str, object]:
     import tempfile
 
     logdir = tempfile.mkdtemp(prefix=f"tb-rank{tfsmp.rank()}-")
+    import atexit
+    import shutil
+
+    atexit.register(shutil.rmtree, logdir, True)
     board = keras.callbacks.TensorBoard(log_dir=logdir)
     h = dm.fit(x, y, batch_size=16, epochs=10, callbacks=[schedule, early, count, board], verbose=0)
     events = [f for _, _, files in os.walk(logdir) for f in files if "tfevents" in f]
