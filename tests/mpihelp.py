@@ -67,7 +67,7 @@ from tfsmp.launch.mpirun import (
 )
 
 __all__ = ["FULL", "REPO_ROOT", "SCRIPTS", "MpiTimeout", "Result", "assert_ok", "base_env",
-           "case_results", "run_cases", "run_mpi", "with_full"]
+           "case_results", "horovodrun_path", "run_cases", "run_mpi", "with_full"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "tests" / "mpi" / "scripts"
@@ -140,7 +140,8 @@ def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _horovodrun() -> str:
+def horovodrun_path() -> str:
+    """The horovodrun beside this interpreter, else on PATH."""
     beside = Path(sys.executable).parent / "horovodrun"
     return str(beside) if beside.is_file() else (shutil.which("horovodrun") or "horovodrun")
 
@@ -157,7 +158,7 @@ def _command(np: int, argv: Sequence[str], config: Mapping[str, Any] | None, lau
     if launcher == "horovodrun":
         # The Open MPI 5 wheel rejects horovodrun's default single-dash binding flags.
         python = [sys.executable, "-m", "mpi4py"] if mpi4py_module else [sys.executable]
-        return [_horovodrun(), "-np", str(np), "--binding-args=--bind-to none --map-by slot",
+        return [horovodrun_path(), "-np", str(np), "--binding-args=--bind-to none --map-by slot",
                 *python, *argv]
     raise ValueError(f"launcher must be mpirun, tfsmp or horovodrun. Received: {launcher!r}")
 

@@ -164,6 +164,10 @@ def _start(config: Mapping[str, Any] | str | Config | None) -> Config:
     comm = _create_comm(topology, use_mpi=size is not None or cfg.horovod)
     state = State(cfg, topology, comm, rank=comm.world.ranks[comm.world.rank])
     failure.install(state.tag)
+    if size is not None:  # [Note: a launcher that leaves its job]
+        from tfsmp.comm.launcher_watch import start as watch_launcher
+
+        watch_launcher()
     _pin_gpu(comm.local_rank)
     _ensure_inter_op_threads()
     if cfg.seed is not None:  # same initial weights, dropout masks and shuffles on every rank

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mpihelp import SCRIPTS, base_env
+from tests.mpihelp import SCRIPTS, base_env, horovodrun_path
 from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
 
 JOB = SCRIPTS / "launch_wait.py"
@@ -184,3 +184,44 @@ def test_plain_mpirun_stops_its_job(tmp_path: Path, signum: int) -> None:
     _wait_ready(tmp_path, proc)
     took, _code, _ = _stop(proc, signum, marker)
     print(f"mpirun, {signal.Signals(signum).name}: the job ended {took:.2f} s after the signal")
+
+
+# [Note: a launcher that leaves its job] horovodrun execs `sh -c "mpirun ..."`: that shell dies
+# on SIGTERM/SIGHUP and leaves mpirun and the ranks running; ranks past tfsmp.init() watch it.
+HOROVODRUN = [horovodrun_path(), "-np", "2", "--binding-args=--bind-to none --map-by slot",
+              sys.executable]
+HOROVOD_START = 120.0  # horovodrun imports TensorFlow before it starts mpirun
+
+
+def _horovod_ready(out: Path, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + HOROVOD_START
+    while len(list(out.glob("ready-*"))) < 2:
+        assert proc.poll() is None, f"the job ended before it was ready: {proc.returncode}"
+        assert time.monotonic() < deadline, "the job did not start"
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(not Path(horovodrun_path()).is_file(), reason="horovodrun is not installed")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stopped_horovodrun_takes_its_job_along(tmp_path: Path, signum: int) -> None:
+    marker = f"tfsmp-test-{uuid.uuid4().hex}"
+    proc = _start(HOROVODRUN, "init", tmp_path, marker)
+    _horovod_ready(tmp_path, proc)
+    took, _, _ = _stop(proc, signum, marker)
+    print(f"horovodrun, {signal.Signals(signum).name}: the job ended {took:.2f} s after the signal")
+
+
+@pytest.mark.skipif(not Path(horovodrun_path()).is_file(), reason="horovodrun is not installed")
+def test_a_stopped_horovodrun_job_writes_its_backups_first(tmp_path: Path) -> None:
+    marker = f"tfsmp-test-{uuid.uuid4().hex}"
+    proc = _start(HOROVODRUN, "init-preempt", tmp_path, marker)
+    _horovod_ready(tmp_path, proc)
+    _stop(proc, signal.SIGTERM, marker)
+    assert sorted(p.name for p in tmp_path.glob("backup-*")) == ["backup-0", "backup-1"]
+
+
+def test_an_mpirun_not_run_by_a_shell_is_not_watched(tmp_path: Path) -> None:
+    # the rule's other side: a plain `mpirun` (a terminal, a batch script) is never acted on
+    from tfsmp.comm.launcher_watch import find_launcher_shell
+
+    assert find_launcher_shell() is None  # pytest's own process: no mpirun above it

@@ -7,6 +7,8 @@ Each rank writes DIR/ready-<rank> once it waits, then, by MODE:
   preempt   listens for a preemption (tfsmp.runtime.preemption, as fit with a backup callback
             does); when asked, writes DIR/backup-<rank> and exits 75
   stubborn  ignores SIGUSR1 and SIGTERM (a rank stuck where no signal helps)
+  init, init-preempt   tfsmp.init() first (which watches a horovodrun launcher), then as
+            sleep / preempt
   orphan    starts a child that sleeps (same MARKER in its argv), then exits 0
 MARKER only makes every process of the job findable by its command line.
 """
@@ -28,7 +30,11 @@ if mode == "orphan":
                      stderr=subprocess.DEVNULL)
     open(os.path.join(out, f"ready-{rank}"), "w").close()
     sys.exit(0)
-if mode == "preempt":
+if mode.startswith("init"):  # tfsmp.init() as a training script runs it (no TensorFlow)
+    import tfsmp
+
+    tfsmp.init()
+if mode.endswith("preempt"):
     from tfsmp.runtime import preemption
 
     preemption.install()
@@ -38,7 +44,7 @@ if mode == "stubborn":
 open(os.path.join(out, f"ready-{rank}"), "w").close()
 deadline = time.monotonic() + 120
 while time.monotonic() < deadline:
-    if mode == "preempt" and preemption.requested():
+    if mode.endswith("preempt") and preemption.requested():
         open(os.path.join(out, f"backup-{rank}"), "w").close()
         sys.exit(75)
     time.sleep(0.05)
