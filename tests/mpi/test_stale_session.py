@@ -1,7 +1,7 @@
 """A launcher killed by SIGKILL leaves Open MPI's session folder behind; the next launcher that
 gets its pid must still start ([Note: launcher start-up failures] in tfsmp/launch/mpirun.py).
 
-The stale folders are planted under every pid the next launches can get (a private TMPDIR, so
+The stale folders are planted under every pid the next launches can get (every free one) (a private TMPDIR, so
 no other job sees them): plain `mpirun` then dies before any rank exists (the failure CI met),
 and `tfsmp run` and `fresh_session` start normally. No TensorFlow: each launch takes a second.
 """
@@ -19,16 +19,14 @@ import pytest
 from tests.mpihelp import REPO_ROOT, base_env
 from tfsmp.launch.mpirun import find_mpirun, fresh_session, launcher_never_started
 
-SPAN = 4000  # pids planted above this test's own: a launch here takes a few hundred at most
-
 
 def _plant(tmp: Path) -> set[int]:
-    """Stale session folders, as a killed launcher leaves them, for the next SPAN pids."""
+    """Stale session folders, as a killed launcher leaves them, under every free pid."""
     top = int(Path("/proc/sys/kernel/pid_max").read_text())
     if top > 1 << 16:
         pytest.skip(f"pid_max is {top}: too many pids to plant stale folders for")
     host = socket.gethostname().split(".")[0]
-    pids = {(os.getpid() + i) % top for i in range(1, SPAN)}
+    pids = {pid for pid in range(2, top) if not os.path.exists(f"/proc/{pid}")}
     for pid in pids:
         folder = tmp / f"ompi.{pid}"
         folder.mkdir()
