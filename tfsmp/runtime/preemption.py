@@ -119,7 +119,16 @@ def savers(where: Callable[[Any], bool] = lambda s: True) -> list[Any]:
 
 
 def exit_for_relaunch(message: str | None = None) -> None:
-    """Ends this rank with `RELAUNCH_EXIT_CODE` (raises SystemExit; call it on every rank)."""
+    """Ends this rank with `RELAUNCH_EXIT_CODE` (raises SystemExit; call it on every rank).
+
+    A second copy of the relayed stop signal may still be on its way (mpirun signals a rank's
+    process group, and a rank guard forwards what it gets), and Python resets its handlers to
+    the default while it shuts down: that copy would end the rank by SIGUSR1 (exit 138) instead
+    of 75. The stop is agreed by now, so SIGUSR1 is ignored from here on (seen under load in
+    tests/mpi/test_launcher_signals.py).
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     if message:
         sys.stderr.write(message.rstrip("\n") + "\n")
         sys.stderr.flush()

@@ -46,5 +46,5 @@ deadline = time.monotonic() + 120
 while time.monotonic() < deadline:
     if mode.endswith("preempt") and preemption.requested():
         open(os.path.join(out, f"backup-{rank}"), "w").close()
-        sys.exit(75)
+        preemption.exit_for_relaunch()  # exit 75
     time.sleep(0.05)
