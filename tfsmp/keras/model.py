@@ -344,10 +344,12 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     # -- training: Keras's own trainer, tfsmp's step ([Note: Keras's trainer drives]) ----------
 
     def _check_compiled(self) -> None:
-        if getattr(self, "_compile_loss", None) is None or getattr(self, "optimizer", None) is None:
+        # a model compiled without a loss trains on its layers' losses, as in Keras; whether
+        # it has any is the engine's check, on every rank before the first step
+        if getattr(self, "optimizer", None) is None:
             raise StepError(
-                "fit needs a loss and an optimizer. Received: the model was not compiled with a "
-                "loss. Call model.compile(optimizer=..., loss=...) first.")
+                "fit needs an optimizer. Received: the model was not compiled with one. Call "
+                "model.compile(optimizer=..., loss=...) first.")
 
     def _steps(self, entry: str, *, train: bool = False, loss: bool = False) -> TrainerSteps:
         """The step functions Keras's trainer calls, after the checks every entry point makes

@@ -183,7 +183,9 @@ class TrainerSteps:
     def _train_batch(self, x: Any, y: Any, sw: Any) -> dict[str, Any]:
         model = self.model
         engine = model.engine_for(x)
-        if y is None:  # every rank sees the same batch, so every rank raises, before any message
+        # every rank sees the same batch, so every rank raises, before any message; a model
+        # compiled without a loss trains on its layers' losses and needs no targets (Keras)
+        if y is None and getattr(model, "_compile_loss", None) is not None:
             raise StepError(
                 f"[{model.runtime_state().tag()}] The loss needs targets. Received: y=None. "
                 f"Pass y to fit(), or yield (x, y) pairs from the dataset.")

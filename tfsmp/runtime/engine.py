@@ -379,6 +379,11 @@ class Engine:
                 f"microbatch\").", stacklevel=2)
         with _watched("every rank's layer-loss flag (an allgather)"):
             self._layer_losses = any(self.comm.world.allgather_obj(mine))
+        if self._objective().compile_loss is None and not self._layer_losses:
+            raise StepError(  # Keras's words (Trainer.compute_loss), on every rank alike
+                f"{self.rank_tag} No loss to compute. Provide a `loss` argument in `compile()`. "
+                f"Received: a model compiled without a loss whose layers add none (add_loss, "
+                f"regularizers).")
         rows = min(mbatch.batch_size_of(x), 3)
         head = mbatch.take_rows((x, y, sample_weight), 0, rows)
         # a later batch may have more parts than this one: decide for the most a step can have
@@ -434,7 +439,7 @@ class Engine:
 
     def set_objective(self, compile_loss: Any) -> None:
         """Trains with ``compile_loss`` from now on (a model compiled again after partitioning)."""
-        self.objective = Objective(compile_loss) if compile_loss is not None else None
+        self.objective = Objective(compile_loss)  # None: the layers' losses only, as in Keras
         for prog in self.programs.values():
             prog.set_objective(self.objective)
         self._one_call = None

@@ -195,7 +195,10 @@ class Objective:
                 cl._flat_losses, cl._metrics = saved[0]  # noqa: SLF001
 
     def call(self, y: Any, y_pred: Any, sample_weight: Any) -> Recorded:
-        """Runs the compiled loss on one microbatch, recording its terms."""
+        """Runs the compiled loss on one microbatch, recording its terms (none for a model
+        compiled without a loss, which trains on its layers' losses alone, as in Keras)."""
+        if self.compile_loss is None:
+            return Recorded()
         with self.recording() as out:
             self.compile_loss(y, y_pred, sample_weight)
         return out
@@ -246,6 +249,9 @@ class Objective:
             StepError: a reduction of None, a scalar loss that is neither a sum nor a mean over
                 its rows, or a masked term that is not the step's only loss.
         """
+        if self.compile_loss is None:  # the layers' losses only: no terms
+            self.terms, self.deferred, self.prepared = [], False, True
+            return
         preds = tree.flatten(y_pred)
         masks = [get_keras_mask(t) for t in preds]
         found: list[Recorded] = []

@@ -207,7 +207,7 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
         from tfsmp.timeline.events import Tracer
 
         tracer = Tracer(config.trace_dir, state.rank)
-    objective = Objective(compile_loss) if compile_loss is not None else None
+    objective = Objective(compile_loss)  # None: the layers' losses only, as in Keras
     return Engine(traced, plan, schedules, config=config, comm=state.comm, rank_tag=rank_tag,
                   objective=objective, optimizer=optimizer, tracer=tracer, horovod=state.horovod)
 
@@ -215,5 +215,5 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
 def rebuild_engine(engine: Engine, compile_loss: Any, optimizer: Any) -> Engine:
     """``engine``'s plan and schedules with new stage programs, the compiled loss and optimizer
     ([Note: changing the model] in tfsmp/keras/model.py)."""
-    objective = Objective(compile_loss) if compile_loss is not None else None
+    objective = Objective(compile_loss)  # None: the layers' losses only, as in Keras
     return engine.rebuilt(objective, optimizer)

@@ -174,6 +174,18 @@ def _add_loss_weight() -> keras.Model:
     return _mlp(extra=lambda h: WeightPenalty(name="penalty")(h))
 
 
+def _optimizer_only() -> dict[str, Any]:
+    return {"optimizer": _sgd()}
+
+
+@feature("add_loss_only", compile=_optimizer_only, data=_regression, cut="d0",
+         doc="compile(optimizer=...) without a loss: trained on the layers' losses alone "
+             "(trainer_test.py's test_internal_only_loss)")
+def _add_loss_only() -> keras.Model:
+    return _mlp(extra=lambda h: ActivityRegularizationLayer(rate=0.5, name="act_reg")(h),
+                last={"kernel_regularizer": keras.regularizers.L2(0.01)})
+
+
 # -- 2. masks ----------------------------------------------------------------------------------
 
 def _masked_sequence(cut_before_embedding: bool, regularizer: Any = None) -> keras.Model:
