@@ -324,17 +324,20 @@ def _redirect_saving() -> None:
                          (saving_lib, "load_weights_only"), (saving_api, "save_model"),
                          (saving_api, "save_weights"), (saving_api, "load_weights"),
                          (keras.saving, "save_model"), (keras.models, "save_model")):
-        setattr(module, name, _taking_distributed(getattr(module, name)))
+        setattr(module, name, _taking_distributed(module, name, getattr(module, name)))
 
 
-def _taking_distributed(function: Callable[..., Any]) -> Callable[..., Any]:
+def _taking_distributed(module: Any, name: str, function: Callable[..., Any]
+                        ) -> Callable[..., Any]:
     def redirected(model: Any, *args: Any, **kwargs: Any) -> Any:
         dm = getattr(model, "__dict__", {}).get(DM_KEY) if _INSIDE.value == 0 else None
         if dm is None:
             return function(model, *args, **kwargs)
         _TEST["used"] = True
         with inside_distributed():
-            return function(dm, *args, **kwargs)
+            # what the module holds now: tfsmp puts its dispatch of a DistributedModel in
+            # front of Keras's saving functions when it makes one (after this redirect)
+            return getattr(module, name)(dm, *args, **kwargs)
 
     return redirected
 
