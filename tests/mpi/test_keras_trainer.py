@@ -22,7 +22,7 @@ CASES = ["case_callbacks_m2", "case_shuffled_arrays_m2", "case_pydataset_shuffle
          "case_terminate_on_nan_m2", "case_string_inputs_m2", "case_balancing_loss_m1",
          "case_balancing_loss_m4", "case_tfsmp_backup_positions_m2", "case_unplannable_m2",
          "case_keras_saving_functions_m2", "case_pickle_m2", "case_multi_optimizer_m2",
-         "case_csv_logger_m2"]
+         "case_csv_logger_m2", "case_one_dimensional_inputs_m2"]
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +152,8 @@ def test_multi_optimizer_is_refused_before_training(results: dict) -> None:
 def test_csv_logger_writes_keras_rows_once(results: dict) -> None:
     r = _both(results, "case_csv_logger_m2")
     assert r["rows"] == r["want_rows"] == 4 and r["same"], r
+
+
+def test_inputs_one_rank_short_gain_their_last_dimension_as_in_keras(results: dict) -> None:
+    r = _both(results, "case_one_dimensional_inputs_m2")
+    assert r["history_same"] and r["weights_same"], r["detail"]

@@ -602,3 +602,20 @@ def case_csv_logger_m2(ctx: Any) -> dict[str, Any]:
         and _close(np.asarray(a[1:], float), np.asarray(b[1:], float))
         for a, b in zip(got[1:], want[1:]))
     return {"rows": len(got), "want_rows": len(want), "same": bool(same)}
+
+
+def case_one_dimensional_inputs_m2(ctx: Any) -> dict[str, Any]:
+    """A (batch,) array for an Input of shape (1,) (Keras's test of saving to a file object
+    trains so): Keras's Functional model adds the last dimension, and so does tfsmp."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=48).astype(np.float32)
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((1,), name="x"), keras.layers.Dense(4, name="d0"),
+                                 keras.layers.Dense(1, name="out")])
+
+    out = _fit_compare(ctx, lambda: (x, 2 * x), {"batch_size": BATCH, "epochs": 2,
+                                                  "shuffle": False},
+                       build=build, compile_kw={"metrics": []}, x=x[:, None])
+    return out
