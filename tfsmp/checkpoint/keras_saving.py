@@ -157,7 +157,8 @@ def unpickle(archive: bytes, name: str) -> Any:
 
     model = saving_lib.load_model(io.BytesIO(archive), compile=False, safe_mode=False)
     config = _compile_config(archive)
-    dm = DistributedModel(model, name=name)
+    # a DistributedModel subclass (SMP-style) is its own source model: it comes back as itself
+    dm = model if isinstance(model, DistributedModel) else DistributedModel(model, name=name)
     if config is not None:
         dm.compile_from_config(config)
         export.load_optimizer_later(dm, archive)

@@ -565,7 +565,15 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             return
         if path is not None and not overwrite:
             export.check_overwrite(self, path)  # Keras would prompt, on every rank
-        super().save(filepath, overwrite=True, zipped=zipped, **kwargs)
+        try:
+            super().save(filepath, overwrite=True, zipped=zipped, **kwargs)
+        except ValueError as e:  # Keras's words, and where a SavedModel comes from here
+            if "Invalid filepath extension" not in str(e):
+                raise
+            raise ValueError(
+                f"{e} A DistributedModel also writes its weights to `.weights.h5`; for a "
+                f"TensorFlow SavedModel call model.save_model(directory); to resume training "
+                f"use tfsmp.CheckpointManager.") from None
 
     def save_weights(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
         """Writes a standard Keras ``.weights.h5`` of the whole model (every rank calls)."""
