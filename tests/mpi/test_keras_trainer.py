@@ -129,6 +129,7 @@ def test_keras_saving_functions_take_the_distributed_model(results: dict) -> Non
     r = _both(results, "case_keras_saving_functions_m2")
     assert r["keras_file"] == [True, True, True], r  # compiled, same predictions and optimizer
     assert r["weights_file"] and r["loaded_into_dm"] and r["file_object"], r
+    assert r["h5_and_export"] == [True, True], r  # legacy .h5 and Keras's export(), too
     # Keras's own argument errors, as keras.Model.save raises them
     assert r["save_format"].startswith(
         "ValueError: The `save_format` argument is deprecated in Keras 3."), r

@@ -36,7 +36,8 @@ from tfsmp.checkpoint.keras_h5 import Entry, H5Layout
 from tfsmp.comm import collective_label
 from tfsmp.errors import CheckpointError
 
-__all__ = ["apply_pending", "archive_bytes", "check_overwrite", "load_weights", "save",
+__all__ = ["apply_pending", "archive_bytes", "check_overwrite", "export_model", "load_weights",
+           "save",
            "save_keras", "save_legacy_h5", "save_model", "save_weights"]
 
 _TAG = 0x7C4B  # message tag of the gather to world rank 0 (its own tag, never a pipeline one)
@@ -752,8 +753,17 @@ def save_model(dm: Any, save_path: str = "/opt/ml/model") -> None:
     from tfsmp.checkpoint.layout import resolve_sagemaker_path
 
     save_path = resolve_sagemaker_path(os.fspath(save_path))
-    st = dm.runtime_state()
-    world = st.comm.world
+    export_model(dm, str(save_path), verbose=False, input_signature=None)
+
+
+@collective_label("DistributedModel.export")
+def export_model(dm: Any, filepath: str, format: str = "tf_saved_model",
+                 verbose: Any = None, input_signature: Any = None, **kwargs: Any) -> None:
+    """Keras's ``model.export`` of the whole unpartitioned model (every rank calls): world
+    rank 0 rebuilds the model in one process with the gathered weights and runs Keras's
+    ``export`` on it with these arguments. Without ``input_signature``, the signature takes
+    inputs of the dtype the model was fed (`save_model`)."""
+    world = dm.runtime_state().comm.world
     tmpdir = tempfile.mkdtemp(prefix=".tfsmp-export-") if world.rank == 0 else ""
     weights_file = os.path.join(tmpdir, "model.weights.h5")
     try:
@@ -762,15 +772,16 @@ def save_model(dm: Any, save_path: str = "/opt/ml/model") -> None:
         if world.rank == 0:
             try:
                 copy = _standalone_copy(dm, weights_file)
-                copy.export(str(save_path), format="tf_saved_model", verbose=False,
-                            input_signature=_serving_signature(dm, copy))
+                signature = input_signature or _serving_signature(dm, copy)
+                copy.export(filepath, format=format, verbose=verbose,
+                            input_signature=signature, **kwargs)
             except Exception as e:  # every rank raises it
                 outcome = f"{type(e).__name__}: {e}"
         outcome = world.bcast_obj(outcome, root=0)
         if outcome is not None:
             raise CheckpointError(
-                f"The SavedModel could not be written. Received: {outcome}. Fix: check that "
-                f"the model can be rebuilt from its config (custom layers registered).")
+                f"The exported model could not be written. Received: {outcome}. Fix: check "
+                f"that the model can be rebuilt from its config (custom layers registered).")
     finally:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)

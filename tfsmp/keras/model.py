@@ -587,6 +587,15 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
         export.load_weights(self, filepath, skip_mismatch=skip_mismatch)
 
+    def export(self, filepath: Any, format: str = "tf_saved_model", verbose: Any = None,
+               input_signature: Any = None, **kwargs: Any) -> None:
+        """Keras's `export` of the whole unpartitioned model (every rank calls; world rank 0
+        exports a single-process copy with the gathered weights)."""
+        from tfsmp.checkpoint import export
+
+        export.export_model(self, str(os.fspath(filepath)), format, verbose, input_signature,
+                            **kwargs)
+
     def save_model(self, save_path: str = "/opt/ml/model") -> None:
         """SMP's `save_model`: the whole unpartitioned model as a TensorFlow SavedModel."""
         from tfsmp.checkpoint import export

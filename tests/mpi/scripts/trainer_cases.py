@@ -518,7 +518,15 @@ def case_keras_saving_functions_m2(ctx: Any) -> dict[str, Any]:
     with _shared_folder(ctx) as folder:
         keras.saving.save_model(dm, os.path.join(folder, "m.keras"))
         saving_lib.save_weights_only(dm, os.path.join(folder, "w.weights.h5"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras: HDF5 is legacy; the loss is not stored
+            keras.saving.save_model(dm, os.path.join(folder, "m.h5"))
+        dm.export(os.path.join(folder, "served"))  # Keras's export: a TF SavedModel
         if ctx.rank == 0:
+            legacy = keras.models.load_model(os.path.join(folder, "m.h5"), compile=False)
+            served = tf.saved_model.load(os.path.join(folder, "served"))
+            out["h5_and_export"] = [bool(_close(legacy.predict(x, verbose=0), want)),
+                                    bool(_close(served.serve(tf.constant(x)).numpy(), want))]
             loaded = keras.models.load_model(os.path.join(folder, "m.keras"))
             out["keras_file"] = [loaded.compiled, _close(loaded.predict(x, verbose=0), want),
                                  _same_weights([v.numpy() for v in loaded.optimizer.variables],
