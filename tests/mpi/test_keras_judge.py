@@ -2,7 +2,7 @@
 passes with every compiled model wrapped at partitions=2 on 2 ranks, or is a documented refusal.
 
 CI (``TFSMP_FULL_TESTS=1``) judges a small subset (`SUBSET`: 22 tests, 3 min measured at load average ~3,
-failing on the DistributedModel of 2026-12-04 with 6 regressions, docs/keras_tests.md);
+whose judged tests all pass wrapped in the run of 2026-12-04 22:54 UTC, docs/keras_tests.md);
 ``TFSMP_KERAS_JUDGE=1`` judges every default file (tests/mpi/keras_judge/runner.py, `DEFAULT_FILES`; about 100 min
 measured under heavy load, most of it relaunches after one-rank failures) and writes its report
 into the test's temporary directory. The whole report: `python -m tests.mpi.keras_judge`

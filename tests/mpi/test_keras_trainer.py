@@ -20,7 +20,9 @@ CASES = ["case_callbacks_m2", "case_shuffled_arrays_m2", "case_pydataset_shuffle
          "case_freeze_and_recompile_m2", "case_save_keras_file_m2",
          "case_optimizer_state_everywhere_m2", "case_refusals_m4", "case_swap_ema_weights_m2",
          "case_terminate_on_nan_m2", "case_string_inputs_m2", "case_balancing_loss_m1",
-         "case_balancing_loss_m4", "case_tfsmp_backup_positions_m2", "case_unplannable_m2"]
+         "case_balancing_loss_m4", "case_tfsmp_backup_positions_m2", "case_unplannable_m2",
+         "case_keras_saving_functions_m2", "case_pickle_m2", "case_multi_optimizer_m2",
+         "case_csv_logger_m2", "case_one_dimensional_inputs_m2"]
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +123,38 @@ def test_a_model_too_small_for_the_stages_is_refused_on_every_rank(results: dict
         assert r.startswith("PartitionError: "), r
         assert "Every stage needs at least one layer" in r
 
+
+
+def test_keras_saving_functions_take_the_distributed_model(results: dict) -> None:
+    r = _both(results, "case_keras_saving_functions_m2")
+    assert r["keras_file"] == [True, True, True], r  # compiled, same predictions and optimizer
+    assert r["weights_file"] and r["loaded_into_dm"] and r["file_object"], r
+    assert r["h5_and_export"] == [True, True], r  # legacy .h5 and Keras's export(), too
+    # Keras's own argument errors, as keras.Model.save raises them
+    assert r["save_format"].startswith(
+        "ValueError: The `save_format` argument is deprecated in Keras 3."), r
+    assert r["unknown_argument"] == (
+        "ValueError: The following argument(s) are not supported: ['invalid_arg']"), r
+
+
+def test_pickle_deepcopy_and_clone_of_a_partitioned_model(results: dict) -> None:
+    r = _both(results, "case_pickle_m2")
+    assert r["types"] == ["DistributedModel"] * 3 and r["clone_wraps"] == "Functional", r
+    assert r["predict_same"] == [True], r
+    assert r["trains_on_same"] and r["iterations"] == 6, r  # the optimizer's state came along
+
+
+def test_multi_optimizer_is_refused_before_training(results: dict) -> None:
+    r = _untagged({"e": case_results(results, "case_multi_optimizer_m2")[0]})["e"]
+    assert r.startswith("StepError: Keras's MultiOptimizer counts steps per sub-optimizer"), r
+    assert "Received: MultiOptimizer with partitions=2. Fix: one optimizer" in r
+
+
+def test_csv_logger_writes_keras_rows_once(results: dict) -> None:
+    r = _both(results, "case_csv_logger_m2")
+    assert r["rows"] == r["want_rows"] == 4 and r["same"], r
+
+
+def test_inputs_one_rank_short_gain_their_last_dimension_as_in_keras(results: dict) -> None:
+    r = _both(results, "case_one_dimensional_inputs_m2")
+    assert r["history_same"] and r["weights_same"], r["detail"]

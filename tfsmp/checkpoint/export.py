@@ -36,7 +36,9 @@ from tfsmp.checkpoint.keras_h5 import Entry, H5Layout
 from tfsmp.comm import collective_label
 from tfsmp.errors import CheckpointError
 
-__all__ = ["apply_pending", "load_weights", "save", "save_model", "save_weights"]
+__all__ = ["apply_pending", "archive_bytes", "check_overwrite", "export_model", "load_weights",
+           "save",
+           "save_keras", "save_legacy_h5", "save_model", "save_weights"]
 
 _TAG = 0x7C4B  # message tag of the gather to world rank 0 (its own tag, never a pipeline one)
 _PENDING: weakref.WeakKeyDictionary[Any, list[tuple[Callable[[Any], object], bool]]] = (
@@ -351,11 +353,12 @@ def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
         raise ValueError(
             f"DistributedModel.save writes a zipped .keras file. Received: unsupported "
             f"arguments {sorted(unknown) or ['zipped=False']}. Drop them.")
+    include_optimizer = bool(kwargs.get("include_optimizer", True))
     if path.endswith(".weights.h5"):
         save_weights(dm, path, overwrite)
         return
     if path.endswith((".h5", ".hdf5")):
-        _save_legacy_h5(dm, path, overwrite, bool(kwargs.get("include_optimizer", True)))
+        save_legacy_h5(dm, path, overwrite, include_optimizer)
         return
     if not path.endswith(".keras"):
         raise ValueError(
@@ -363,17 +366,86 @@ def save(dm: Any, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
             f"(legacy HDF5 model) or `.weights.h5` (weights only). Received: filepath={path}. "
             f"For a TensorFlow SavedModel call model.save_model(directory); to resume training "
             f"use tfsmp.CheckpointManager.")
+    save_keras(dm, path, overwrite, include_optimizer)
+
+
+def _archive_finish(dm: Any) -> tuple[Callable[[str, str], None], bool]:
+    """What turns a weights file into the model's ``.keras`` archive (``finish`` of
+    `_collective_write`), and whether the model is compiled (its file then holds the compile
+    arguments, as Keras writes a compiled model's)."""
     source = dm.source_model()
     compile_config = dm.get_compile_config() if getattr(dm, "compiled", False) else None
 
     def finish(weights: str, out: str) -> None:
         keras_h5.write_keras_archive(out, source, weights, compile_config=compile_config)
 
-    _collective_write(dm, path, overwrite, finish,
-                      optimizer=compile_config is not None and kwargs.get("include_optimizer", True))
+    return finish, compile_config is not None
 
 
-def _save_legacy_h5(dm: Any, path: str, overwrite: bool, include_optimizer: bool) -> None:
+@collective_label("DistributedModel.save")
+def save_keras(dm: Any, path: str, overwrite: bool = True, include_optimizer: bool = True
+               ) -> None:
+    """Writes the whole model as the ``.keras`` file ``keras.Model.save`` would write of the
+    unpartitioned model (every rank calls; world rank 0 writes)."""
+    finish, compiled = _archive_finish(dm)
+    _collective_write(dm, path, overwrite, finish, optimizer=compiled and include_optimizer)
+
+
+@collective_label("DistributedModel.save")
+def archive_bytes(dm: Any, include_optimizer: bool = True) -> bytes:
+    """The model's ``.keras`` archive (as `save_keras` writes it) as bytes, on every rank: for
+    a file object handed to Keras's ``save_model``, and for pickling. Once the model is
+    partitioned this is a collective call (the weights are gathered to world rank 0, which
+    broadcasts the archive); before, every rank holds every weight and writes it alone."""
+    finish, compiled = _archive_finish(dm)
+    world = dm.runtime_state().comm.world if dm.rank_view is not None else None
+    tmpdir = tempfile.mkdtemp(prefix=".tfsmp-archive-") if world is None or world.rank == 0 else ""
+    target = os.path.join(tmpdir, "model.keras") if tmpdir else "unused.keras"
+    try:
+        if world is None:
+            if has_pending(dm, weights_only=True):
+                raise CheckpointError(
+                    "A model with a pending load_weights/restore can be saved once it is "
+                    "partitioned. Received: a save before the first step. Fix: run a step (or "
+                    "model.partition(x)) first.")
+            error = _root_finish(dm, _layout(dm), {}, target, _private_dir(tmpdir), finish)
+            if error is not None:
+                raise CheckpointError(error)
+        else:
+            _collective_write(dm, target, True, finish,
+                              optimizer=compiled and include_optimizer)
+        data = _read_bytes(target) if tmpdir else None
+        if world is not None:
+            data = world.bcast_obj(data, root=0)
+        return bytes(data or b"")
+    finally:
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _private_dir(folder: str) -> str:
+    return tempfile.mkdtemp(prefix=".tfsmp-save-", dir=folder)
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@collective_label("DistributedModel.save")
+def check_overwrite(dm: Any, path: str) -> None:
+    """Raises on every rank when ``path`` exists (``overwrite=False``); world rank 0 looks."""
+    world = dm.runtime_state().comm.world
+    exists = os.path.exists(path) if world.rank == 0 else None
+    if world.bcast_obj(exists, root=0):
+        raise CheckpointError(
+            f"The file must not exist when overwrite=False. Received: {path!r} exists. Pass "
+            f"overwrite=True or another path.")
+
+
+@collective_label("DistributedModel.save")
+def save_legacy_h5(dm: Any, path: str, overwrite: bool = True, include_optimizer: bool = True
+                   ) -> None:
     """What ``keras.Model.save("m.h5")`` writes (Keras 3.15: ``legacy_h5_format``), from a
     single-process copy of the model on world rank 0."""
 
@@ -552,7 +624,13 @@ def _load_now(dm: Any, path: str, skip_mismatch: bool, exclude: frozenset[int] =
     return frozenset(id(v) for _, v in entries)
 
 
-def _load_optimizer_now(dm: Any, path: str) -> None:
+def load_optimizer_later(dm: Any, archive: bytes) -> None:
+    """Once ``dm`` is partitioned, loads the optimizer's state of a ``.keras`` archive held in
+    memory (an unpickled model's), each rank its own variables."""
+    defer(dm, lambda m: _load_optimizer_now(m, archive), weights=False)
+
+
+def _load_optimizer_now(dm: Any, path: str | bytes) -> None:
     """Reads and assigns the optimizer's state of a weights file loaded before partitioning."""
     world = dm.runtime_state().comm.world
     errors: list[str] = []
@@ -572,15 +650,18 @@ def _load_optimizer_now(dm: Any, path: str) -> None:
         v.assign(value)
 
 
-def _read_optimizer(dm: Any, path: str) -> tuple[list[tuple[Any, np.ndarray]], list[str]]:
-    """The optimizer variables this rank holds with their values in ``path`` (nothing when the
-    file has no optimizer state, or the model is not partitioned yet), and Keras's warning when
-    the file's optimizer has another number of variables ([Note: Keras optimizer layout])."""
+def _read_optimizer(dm: Any, source: str | bytes
+                    ) -> tuple[list[tuple[Any, np.ndarray]], list[str]]:
+    """The optimizer variables this rank holds with their values in ``source`` (a path, or a
+    ``.keras`` archive as bytes; nothing when it has no optimizer state, or the model is not
+    partitioned yet), and Keras's warning when the file's optimizer has another number of
+    variables ([Note: Keras optimizer layout])."""
     optimizer = getattr(dm, "optimizer", None)
     if optimizer is None or dm.rank_view is None:
         return [], []
+    path = source if isinstance(source, str) else "an archive in memory"
     out: list[tuple[Any, np.ndarray]] = []
-    with keras_h5.open_weights(path) as h5:
+    with keras_h5.open_weights(source) as h5:
         size = keras_h5.group_size(h5, keras_optimizer.GROUP)
         if size is None:
             return [], []
@@ -672,8 +753,17 @@ def save_model(dm: Any, save_path: str = "/opt/ml/model") -> None:
     from tfsmp.checkpoint.layout import resolve_sagemaker_path
 
     save_path = resolve_sagemaker_path(os.fspath(save_path))
-    st = dm.runtime_state()
-    world = st.comm.world
+    export_model(dm, str(save_path), verbose=False, input_signature=None)
+
+
+@collective_label("DistributedModel.export")
+def export_model(dm: Any, filepath: str, format: str = "tf_saved_model",
+                 verbose: Any = None, input_signature: Any = None, **kwargs: Any) -> None:
+    """Keras's ``model.export`` of the whole unpartitioned model (every rank calls): world
+    rank 0 rebuilds the model in one process with the gathered weights and runs Keras's
+    ``export`` on it with these arguments. Without ``input_signature``, the signature takes
+    inputs of the dtype the model was fed (`save_model`)."""
+    world = dm.runtime_state().comm.world
     tmpdir = tempfile.mkdtemp(prefix=".tfsmp-export-") if world.rank == 0 else ""
     weights_file = os.path.join(tmpdir, "model.weights.h5")
     try:
@@ -682,15 +772,16 @@ def save_model(dm: Any, save_path: str = "/opt/ml/model") -> None:
         if world.rank == 0:
             try:
                 copy = _standalone_copy(dm, weights_file)
-                copy.export(str(save_path), format="tf_saved_model", verbose=False,
-                            input_signature=_serving_signature(dm, copy))
+                signature = input_signature or _serving_signature(dm, copy)
+                copy.export(filepath, format=format, verbose=verbose,
+                            input_signature=signature, **kwargs)
             except Exception as e:  # every rank raises it
                 outcome = f"{type(e).__name__}: {e}"
         outcome = world.bcast_obj(outcome, root=0)
         if outcome is not None:
             raise CheckpointError(
-                f"The SavedModel could not be written. Received: {outcome}. Fix: check that "
-                f"the model can be rebuilt from its config (custom layers registered).")
+                f"The exported model could not be written. Received: {outcome}. Fix: check "
+                f"that the model can be rebuilt from its config (custom layers registered).")
     finally:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)

@@ -181,16 +181,25 @@ def _member_window(path: str, zf: zipfile.ZipFile, name: str) -> io.RawIOBase | 
 
 
 @contextlib.contextmanager
-def open_weights(filepath: str) -> Iterator[h5py.File]:
+def open_weights(filepath: str | bytes) -> Iterator[h5py.File]:
     """Opens the weights of a ``.weights.h5`` or ``.keras`` file for partial reads.
 
     A ``.keras`` archive stores its weights uncompressed, so they are read in place; a
-    compressed member is read into memory.
+    compressed member is read into memory, and so is an archive given as bytes.
 
     Raises:
         CheckpointError: the file is missing.
         CorruptFileError: it cannot be opened as a Keras weights file (an OSError too).
     """
+    if isinstance(filepath, (bytes, bytearray)):  # a .keras archive in memory (unpickling)
+        with zipfile.ZipFile(io.BytesIO(filepath)) as zf:
+            memory = io.BytesIO(zf.read(WEIGHTS_NAME))
+        h5 = h5py.File(memory, "r")
+        try:
+            yield h5
+        finally:
+            h5.close()
+        return
     if not os.path.isfile(filepath):
         raise CheckpointError(
             f"The weights file must exist. Received: filepath={filepath!r}. Pass the path of a "

@@ -30,7 +30,7 @@ from tfsmp.errors import StepError
 from tfsmp.runtime import microbatch as mbatch
 
 __all__ = ["agree_shuffle_seed", "batch_digest", "check_same_batch", "different_ranks",
-           "same_batch_error", "sampler"]
+           "keras_input_rank", "same_batch_error", "sampler"]
 
 DIGEST_BYTES = 1 << 20  # per leaf; larger leaves hash evenly spaced rows (a bounded cost)
 
@@ -162,3 +162,33 @@ def check_step_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     tag = f"[{st.tag()}]"
     check_same_batch(st.comm.pipeline, leaves, rank_tag=tag,
                      where=f"in smp.step call {_STEP_CALLS[0]}")
+
+
+def keras_input_rank(model: Any, x: Any) -> Any:
+    """``x`` with each input at its ``keras.Input``'s rank, as Keras's Functional model adjusts
+    it before a call: an array one rank short of an Input whose last dimension is 1 (a
+    ``(batch,)`` array for ``Input((1,))``) gains that dimension, one with an extra last
+    dimension of 1 loses it. The pipeline's stages run the layers without the Functional's
+    call, so this happens here, on the batch Keras's trainer hands over. Other inputs, and
+    models without Keras inputs (subclassed), are left as they are."""
+    inputs = list(getattr(model, "inputs", None) or [])
+    if not inputs:
+        return x
+    if isinstance(x, dict):
+        by_name = {str(getattr(t, "name", "")): t for t in inputs}
+        return {k: _to_rank(v, by_name[k]) if k in by_name else v for k, v in x.items()}
+    flat = keras.tree.flatten(x)
+    if len(flat) != len(inputs):
+        return x
+    return keras.tree.pack_sequence_as(x, [_to_rank(v, t) for v, t in zip(flat, inputs)])
+
+
+def _to_rank(value: Any, ref: Any) -> Any:
+    shape, want = tuple(getattr(value, "shape", ()) or ()), tuple(ref.shape)
+    if not shape or not isinstance(value, np.ndarray):
+        return value
+    if len(shape) == len(want) - 1 and want[-1] == 1:
+        return np.expand_dims(value, -1)
+    if len(shape) == len(want) + 1 and shape[-1] == 1:
+        return np.squeeze(value, -1)
+    return value

@@ -29,6 +29,8 @@ tfsmp/keras/trainer_steps.py).
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -40,6 +42,7 @@ import tensorflow as tf
 from tfsmp.comm import collective_label
 from tfsmp.errors import StepError
 from tfsmp.keras.data import agree_shuffle_seed, sampler
+from tfsmp.keras.log_writers import on_this_rank
 from tfsmp.keras.overrides import check_callbacks, check_overrides, check_trainable
 
 if TYPE_CHECKING:
@@ -67,6 +70,7 @@ def deferred_init() -> Iterator[None]:
         yield
 
 
+@keras.saving.register_keras_serializable(package="tfsmp")
 class DistributedModel(keras.Model):  # type: ignore[misc]
     """A Keras model whose layers run as pipeline stages across ranks. See the module docstring."""
 
@@ -94,6 +98,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._resume_skip = 0  # [Note: exact resume] in tfsmp/checkpoint/fit_resume.py
         self._terminate_on_nan = False  # a fit with Keras's TerminateOnNaN: `nonfinite_mode`
         DistributedModel._live.append(weakref.ref(self))
+        _install_saving()
 
     _live: list[weakref.ref[Any]] = []
 
@@ -208,6 +213,13 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         if self._engine is not None and not self._refresh_engine():
             self._engine.set_objective(getattr(self, "_compile_loss", None))
             self._engine.set_optimizer(self.optimizer)
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Keras's `compile_from_config` (how a loaded or cloned model is compiled again);
+        the optimizer is built when the model is partitioned, on each rank's own variables."""
+        from keras.src.saving import serialization_lib
+
+        self.compile(**serialization_lib.deserialize_keras_object(config))
 
     # [Note: changing the model] Keras reads which variables train when it builds its train
     # function, so freezing or unfreezing layers and compiling again trains the new set. The
@@ -410,7 +422,9 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         agree_shuffle_seed(self._state.comm.world)
         check_callbacks(fit_resume.user_callbacks(callbacks),
                         pipeline_ranks=self._state.config.partitions, rank_tag=self._rank_tag())
-        wrapped = fit_resume.fit_callbacks(self, sampler(x, batch_size), callbacks)
+        wrapped = fit_resume.fit_callbacks(  # [Note: one writer of the logs]
+            self, sampler(x, batch_size),
+            on_this_rank(fit_resume.user_callbacks(callbacks), self._state.rank))
         self._terminate_on_nan = any(isinstance(c, keras.callbacks.TerminateOnNaN)
                                      for c in fit_resume.user_callbacks(callbacks))
         try:
@@ -539,12 +553,29 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
                     f"'{variables[i].path}' of shape {tuple(variables[i].shape)}.")
             variables[i].assign(weights[i])
 
-    def save(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
-        """Writes the whole model as a plain Keras file (``.keras``, or legacy ``.h5``) or its
-        weights (``.weights.h5``). Call on every rank; rank 0 writes."""
+    def save(self, filepath: Any, overwrite: bool = True, zipped: bool | None = None,
+             **kwargs: Any) -> None:
+        """Keras's `save`: the whole model as the plain Keras file ``keras.Model.save`` writes
+        of the unpartitioned model (``.keras``, or legacy ``.h5``), or (tfsmp's addition) its
+        weights (``.weights.h5``). Call on every rank; world rank 0 writes ([Note: Keras's
+        saving functions] in tfsmp/checkpoint/keras_saving.py)."""
         from tfsmp.checkpoint import export
 
-        export.save(self, filepath, overwrite=overwrite, **kwargs)
+        path = None if isinstance(filepath, io.IOBase) else str(os.fspath(filepath))
+        if path is not None and path.endswith(".weights.h5") and not kwargs and zipped is None:
+            export.save_weights(self, path, overwrite=overwrite)
+            return
+        if path is not None and not overwrite:
+            export.check_overwrite(self, path)  # Keras would prompt, on every rank
+        try:
+            super().save(filepath, overwrite=True, zipped=zipped, **kwargs)
+        except ValueError as e:  # Keras's words, and where a SavedModel comes from here
+            if "Invalid filepath extension" not in str(e):
+                raise
+            raise ValueError(
+                f"{e} A DistributedModel also writes its weights to `.weights.h5`; for a "
+                f"TensorFlow SavedModel call model.save_model(directory); to resume training "
+                f"use tfsmp.CheckpointManager.") from None
 
     def save_weights(self, filepath: str, overwrite: bool = True, **kwargs: Any) -> None:
         """Writes a standard Keras ``.weights.h5`` of the whole model (every rank calls)."""
@@ -558,11 +589,50 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
         export.load_weights(self, filepath, skip_mismatch=skip_mismatch)
 
+    def export(self, filepath: Any, format: str = "tf_saved_model", verbose: Any = None,
+               input_signature: Any = None, **kwargs: Any) -> None:
+        """Keras's `export` of the whole unpartitioned model (every rank calls; world rank 0
+        exports a single-process copy with the gathered weights)."""
+        from tfsmp.checkpoint import export
+
+        export.export_model(self, str(os.fspath(filepath)), format, verbose, input_signature,
+                            **kwargs)
+
     def save_model(self, save_path: str = "/opt/ml/model") -> None:
         """SMP's `save_model`: the whole unpartitioned model as a TensorFlow SavedModel."""
         from tfsmp.checkpoint import export
 
         export.save_model(self, save_path)
+
+    # -- Keras's serialization: the wrapped model's, and pickling -------------------------------
+
+    def get_config(self) -> dict[str, Any]:
+        """The wrapped model's serialization (a subclass: Keras's own config)."""
+        if self._wrapped is None:
+            return dict(super().get_config())
+        from keras.src.saving import serialization_lib
+
+        return {"name": self.name,
+                "model": serialization_lib.serialize_keras_object(self._wrapped)}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
+        """A `DistributedModel` of the model in ``config`` (as `get_config` wrote it): how
+        ``keras.models.clone_model`` and Keras's deserialization rebuild one."""
+        if "model" not in config:
+            return super().from_config(config, custom_objects=custom_objects)
+        from keras.src.saving import serialization_lib
+
+        model = serialization_lib.deserialize_keras_object(
+            config["model"], custom_objects=custom_objects)
+        return cls(model, name=config.get("name"))
+
+    def __reduce__(self) -> Any:
+        """Pickles as the whole unpartitioned model's ``.keras`` archive, as Keras pickles a
+        model (a collective call once partitioned; tfsmp/checkpoint/keras_saving.py)."""
+        from tfsmp.checkpoint import keras_saving
+
+        return keras_saving.reduce(self)
 
     def held_variable_bytes(self) -> int:
         """Bytes of model weights that hold storage in this process (after partitioning: only
@@ -586,6 +656,14 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             node = graph.nodes[name]
             print_fn(f"{name:<{width}}  {node.kind:<22} {stage:>5} {node.param_count:>10}")
         return None
+
+
+def _install_saving() -> None:
+    """Keras's saving functions dispatch a `DistributedModel` to tfsmp's collective export
+    ([Note: Keras's saving functions] in tfsmp/checkpoint/keras_saving.py)."""
+    from tfsmp.checkpoint import keras_saving
+
+    keras_saving.install()
 
 
 def _dry_zeros(rows: Any, dims: tuple[int | None, ...], dtype: str) -> tf.Tensor:

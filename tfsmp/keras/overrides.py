@@ -80,6 +80,11 @@ def check_overrides(model: Any, entry: str, *, rank_tag: str = "") -> None:
 #   at once (a global statistic, a schedule-free optimizer's own copies of the weights); with
 #   several pipeline ranks each rank's optimizer sees its own stages' gradients only. Keras's
 #   own optimizers, and overrides of ``update_step`` (one variable at a time), are fine.
+# - Keras's MultiOptimizer keeps one optimizer per group of variables, each counting its own
+#   steps (its iterations, learning-rate schedule, EMA and saved state). Each pipeline rank's
+#   MultiOptimizer holds only its own stages' variables, so a sub-optimizer whose variables
+#   live on another rank never steps on this one: its count, schedule and state differ from
+#   plain Keras's on every rank but one, and a callback reading them (SwapEMAWeights) fails.
 # - a stateful RNN carries its state from one batch's rows to the next batch's same rows; split
 #   into microbatches (or replicas), a batch's rows no longer meet their own state.
 _KERAS_APPLY_OWNERS = ("keras.src.optimizers.",)
@@ -98,6 +103,11 @@ def _applies_all_at_once(optimizer: Any) -> str | None:
     return None
 
 
+def _is_multi_optimizer(optimizer: Any) -> bool:
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    return multi is not None and isinstance(optimizer, multi)
+
+
 def check_trainable(model: Any, *, pipeline_ranks: int, parts: int, rank_tag: str = "") -> None:
     """Refuses what a pipelined training step cannot honour ([Note: what a pipeline cannot
     train]): ``pipeline_ranks`` = partitions, ``parts`` = microbatches × data replicas.
@@ -108,6 +118,14 @@ def check_trainable(model: Any, *, pipeline_ranks: int, parts: int, rank_tag: st
     optimizer = getattr(model, "optimizer", None)
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     method = _applies_all_at_once(inner) if inner is not None and pipeline_ranks > 1 else None
+    if pipeline_ranks > 1 and _is_multi_optimizer(inner):
+        raise StepError(
+            f"{rank_tag} Keras's MultiOptimizer counts steps per sub-optimizer, and each "
+            f"pipeline rank's copy holds only its own stages' variables, so a sub-optimizer "
+            f"whose variables live on another rank never steps there (its iterations, schedule "
+            f"and EMA differ from plain Keras's). Received: {type(inner).__name__} with "
+            f"partitions={pipeline_ranks}. Fix: one optimizer for the whole model (a per-layer "
+            f"learning rate can be a custom update_step()), or train with partitions=1.")
     if method is not None:
         raise StepError(
             f"{rank_tag} An optimizer that overrides apply() or apply_gradients() may read every "

@@ -32,7 +32,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from tfsmp.comm import collective_label
 from tfsmp.errors import StepError
 from tfsmp.keras import trainer_metrics
-from tfsmp.keras.data import batch_digest, different_ranks, same_batch_error
+from tfsmp.keras.data import batch_digest, different_ranks, keras_input_rank, same_batch_error
 
 if TYPE_CHECKING:
     from tfsmp.keras.model import DistributedModel
@@ -48,9 +48,9 @@ def _numpy(structure: Any) -> Any:
         lambda t: t.numpy() if isinstance(t, tf.Tensor) else t, structure)
 
 
-def _unpack(data: Any) -> tuple[Any, Any, Any]:
+def _unpack(data: Any, model: DistributedModel) -> tuple[Any, Any, Any]:
     x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(_numpy(data))
-    return x, y, sw
+    return keras_input_rank(model.source_model(), x), y, sw
 
 
 def _agree(model: DistributedModel, batch: Any, phase: str,
@@ -155,7 +155,7 @@ class TrainerSteps:
             data = self._next(iterator, "fit")
             if data is None:
                 return
-            x, y, _ = _unpack(data)
+            x, y, _ = _unpack(data, self.model)
             self.metrics.ensure_built(self.model.engine_for(x), x, y)
 
     # -- train / test -----------------------------------------------------------------------------
@@ -175,7 +175,7 @@ class TrainerSteps:
             data = self._next(iterator, phase)
             if data is None:
                 break
-            logs = one(*_unpack(data))
+            logs = one(*_unpack(data, self.model))
         if logs is None:
             raise StopIteration  # Keras's epoch iterator ends the epoch, on every rank alike
         return logs
@@ -204,7 +204,7 @@ class TrainerSteps:
         """Keras's ``predict_function``: the outputs of a list of batches, on every rank."""
         chunks = []
         for element in data:
-            x = _unpack(element)[0]
+            x = _unpack(element, self.model)[0]
             _agree(self.model, x, "predict")
             chunks.append(self.forward(x))
         flat = [np.concatenate([c[j] for c in chunks]) for j in range(len(chunks[0]))]

@@ -37,6 +37,9 @@ the temporary directories a test module asks for (`TestCase.get_temp_dir`, `temp
 `tempfile.TemporaryDirectory` called from a ``*_test`` module) are the same path on every rank,
 under ``$TFSMP_JUDGE_TMP``, and are not deleted until the runner deletes that root (one rank
 must not delete a file the other still reads). Library code keeps unique private directories.
+A test that removes a file there itself (``os.remove`` from a ``*_test`` module, as the
+`CSVLogger` and `ModelCheckpoint` tests do between their cases) removes it once: the ranks
+meet, world rank 0 removes it, and they meet again.
 
 [Note: ranks leave a test together] After each test (its outcome recorded), the ranks meet in a barrier of the shim's own
 communicator and compare outcomes. A rank whose peer does not arrive within `PEER_GRACE`
@@ -148,6 +151,12 @@ def _forwarding_class(cls: type) -> type:
         # pickle.dumps(model) pickles what a user of tfsmp pickles, the DistributedModel;
         # an unwrapped model pickles as its own class (the subclass has the class's name)
         dm = self.__dict__.get(DM_KEY)
+        if dm is not None and _INSIDE.value == 0 and not self.__dict__.get(CHECKED_KEY):
+            self.__dict__[CHECKED_KEY] = True  # the unpickled DistributedModel must plan too
+            reason = _two_stage_refusal(self, (), {})
+            if reason is not None:
+                _stop_wrapping(self, reason)
+                dm = None
         if dm is not None and _INSIDE.value == 0:
             _TEST["used"] = True
             with inside_distributed():
@@ -199,10 +208,14 @@ def _forwarded(model: Any, dm: Any, name: str) -> Any:
 def _unwrap_and_call(model: Any, name: str, reason: str, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
     """Stops wrapping ``model`` ([Note: not wrapped]) and runs ``name`` as plain Keras."""
+    _stop_wrapping(model, reason)
+    return getattr(model, name)(*args, **kwargs)
+
+
+def _stop_wrapping(model: Any, reason: str) -> None:
     model.__dict__[DM_KEY] = None
     model.__dict__[REFUSED_KEY] = _one_line(reason)
     _TEST["not_wrapped"].append(_one_line(reason))
-    return getattr(model, name)(*args, **kwargs)
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -324,17 +337,20 @@ def _redirect_saving() -> None:
                          (saving_lib, "load_weights_only"), (saving_api, "save_model"),
                          (saving_api, "save_weights"), (saving_api, "load_weights"),
                          (keras.saving, "save_model"), (keras.models, "save_model")):
-        setattr(module, name, _taking_distributed(getattr(module, name)))
+        setattr(module, name, _taking_distributed(module, name, getattr(module, name)))
 
 
-def _taking_distributed(function: Callable[..., Any]) -> Callable[..., Any]:
+def _taking_distributed(module: Any, name: str, function: Callable[..., Any]
+                        ) -> Callable[..., Any]:
     def redirected(model: Any, *args: Any, **kwargs: Any) -> Any:
         dm = getattr(model, "__dict__", {}).get(DM_KEY) if _INSIDE.value == 0 else None
         if dm is None:
             return function(model, *args, **kwargs)
         _TEST["used"] = True
         with inside_distributed():
-            return function(dm, *args, **kwargs)
+            # what the module holds now: tfsmp puts its dispatch of a DistributedModel in
+            # front of Keras's saving functions when it makes one (after this redirect)
+            return getattr(module, name)(dm, *args, **kwargs)
 
     return redirected
 
@@ -383,8 +399,37 @@ def _share_temp_dirs() -> None:
         return temporary_directory(*args, **kwargs)
 
     tempfile.mkdtemp = shared_mkdtemp  # type: ignore[assignment]
+    _share_removals()
     tempfile.TemporaryDirectory = shared_temporary_directory  # type: ignore[assignment,misc]
     test_case.TestCase.get_temp_dir = lambda self: _shared_dir()
+
+
+def _share_removals() -> None:
+    """A test module's ``os.remove``/``os.unlink`` of a file in a shared directory: the ranks
+    meet, world rank 0 removes it, and they meet again, so that no rank reads a file another
+    already removed, or removes it twice ([Note: shared temporary directories])."""
+    root = os.path.realpath(os.environ["TFSMP_JUDGE_TMP"])
+    for name in ("remove", "unlink"):
+        setattr(os, name, _removing_once(getattr(os, name), root))
+
+
+def _removing_once(remove: Callable[..., Any], root: str) -> Callable[..., Any]:
+    def once(path: Any, *args: Any, **kwargs: Any) -> Any:
+        shared = (isinstance(path, (str, os.PathLike)) and _from_test_module()
+                  and os.path.realpath(path).startswith(root + os.sep))
+        if not shared:
+            return remove(path, *args, **kwargs)
+        from mpi4py import MPI
+
+        _meet(f"remove {path}")
+        try:
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                remove(path, *args, **kwargs)
+        finally:
+            _meet(f"see {path} removed")
+        return None
+
+    return once
 
 
 # -- pytest hooks ---------------------------------------------------------------------------------
@@ -465,18 +510,23 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _leave_together(report.nodeid, bool(_TEST.get("failed")))
 
 
-def _leave_together(nodeid: str, failed: bool) -> None:
-    """[Note: ranks leave a test together]."""
+def _meet(what: str) -> None:
+    """A barrier of the shim's communicator; a peer that does not arrive within `PEER_GRACE`
+    seconds aborts the job ([Note: ranks leave a test together])."""
     import time
 
-
-    comm = _COMM["comm"]
-    request = comm.Ibarrier()
+    request = _COMM["comm"].Ibarrier()
     deadline = time.monotonic() + PEER_GRACE
     while not request.Test():
         if time.monotonic() > deadline:
-            _abort(f"a peer rank did not finish {nodeid} within {PEER_GRACE:.0f} s of this rank")
+            _abort(f"a peer rank did not {what} within {PEER_GRACE:.0f} s of this rank")
         time.sleep(0.02)
+
+
+def _leave_together(nodeid: str, failed: bool) -> None:
+    """[Note: ranks leave a test together]."""
+    comm = _COMM["comm"]
+    _meet(f"finish {nodeid}")
     outcomes = comm.allgather(failed)
     if len(set(outcomes)) > 1:
         _abort(f"ranks ended {nodeid} differently (failed per rank: {outcomes})")

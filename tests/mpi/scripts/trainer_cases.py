@@ -465,3 +465,165 @@ def case_unplannable_m2(ctx: Any) -> str:
         return f"{type(e).__name__}: {e}"
     return "no error"
 
+
+
+# -- Keras's saving functions, pickling, MultiOptimizer, log files (issue 26's last gap) ----------
+
+@contextlib.contextmanager
+def _shared_folder(ctx: Any) -> Any:
+    """A folder every rank names alike (rank 0 makes it, and removes it when all are done)."""
+    import shutil
+
+    folder = ctx.world.bcast(tempfile.mkdtemp(prefix="tfsmp-trainer-") if ctx.rank == 0
+                             else None, root=0)
+    try:
+        yield folder
+    finally:
+        ctx.world.barrier()
+        if ctx.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _trained_pair(ctx: Any) -> tuple[keras.Model, tfsmp.DistributedModel, np.ndarray]:
+    """The same fit in plain Keras and as a partitioned DistributedModel (Adam: a state)."""
+    x, y = _data()
+    ref = _mlp()
+    ref.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    ref.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    dm = _pipelined(_mlp, _m(ctx), x, ctx)
+    dm.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
+    dm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    return ref, dm, x
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def case_keras_saving_functions_m2(ctx: Any) -> dict[str, Any]:
+    """Keras's saving functions handed the DistributedModel, on every rank: the files are plain
+    Keras's (compile and optimizer state kept), world rank 0 writes them, a file object gets
+    the whole archive on each rank, and Keras's own argument errors come out."""
+    import io
+
+    from keras.src.saving import saving_lib
+
+    ref, dm, x = _trained_pair(ctx)
+    want = ref.predict(x, verbose=0)
+    out: dict[str, Any] = {}
+    with _shared_folder(ctx) as folder:
+        keras.saving.save_model(dm, os.path.join(folder, "m.keras"))
+        saving_lib.save_weights_only(dm, os.path.join(folder, "w.weights.h5"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras: HDF5 is legacy; the loss is not stored
+            keras.saving.save_model(dm, os.path.join(folder, "m.h5"))
+        dm.export(os.path.join(folder, "served"))  # Keras's export: a TF SavedModel
+        if ctx.rank == 0:
+            legacy = keras.models.load_model(os.path.join(folder, "m.h5"), compile=False)
+            served = tf.saved_model.load(os.path.join(folder, "served"))
+            out["h5_and_export"] = [bool(_close(legacy.predict(x, verbose=0), want)),
+                                    bool(_close(served.serve(tf.constant(x)).numpy(), want))]
+            loaded = keras.models.load_model(os.path.join(folder, "m.keras"))
+            out["keras_file"] = [loaded.compiled, _close(loaded.predict(x, verbose=0), want),
+                                 _same_weights([v.numpy() for v in loaded.optimizer.variables],
+                                               [v.numpy() for v in ref.optimizer.variables])]
+            plain = _mlp(seed=9)
+            plain.load_weights(os.path.join(folder, "w.weights.h5"))
+            out["weights_file"] = bool(_close(plain.predict(x, verbose=0), want))
+            ref.save_weights(os.path.join(folder, "ref.weights.h5"))
+        ctx.world.barrier()
+        other = _pipelined(lambda: _mlp(seed=9), _m(ctx), x, ctx)
+        other.compile(**_compile())
+        other.predict(x, verbose=0)  # partitioned, other weights
+        saving_lib.load_weights_only(other, os.path.join(folder, "ref.weights.h5"))
+        out["loaded_into_dm"] = bool(_close(other.predict(x, verbose=0), want))
+        buffer = io.BytesIO()
+        saving_lib.save_model(other, buffer)  # every rank: its own buffer, the whole archive
+        buffer.seek(0)
+        out["file_object"] = bool(_close(
+            saving_lib.load_model(buffer).predict(x, verbose=0), want))
+    out["save_format"] = _error(lambda: other.save("m", save_format="keras"))
+    out["unknown_argument"] = _error(lambda: other.save("m.keras", invalid_arg=1))
+    return ctx.world.bcast(out, root=0) | {k: out[k] for k in ("loaded_into_dm", "file_object",
+                                                              "save_format", "unknown_argument")}
+
+
+def case_pickle_m2(ctx: Any) -> dict[str, Any]:
+    """pickle and copy.deepcopy of a partitioned DistributedModel (every rank): a
+    DistributedModel of the same weights, compiled alike, with the optimizer's state; clone_model
+    makes a DistributedModel of the same architecture."""
+    import copy
+    import pickle
+
+    ref, dm, x = _trained_pair(ctx)
+    want = ref.predict(x, verbose=0)
+    back = pickle.loads(pickle.dumps(dm))
+    deep = copy.deepcopy(dm)
+    clone = keras.models.clone_model(dm)
+    x_, y_ = _data()
+    ref.fit(x_, y_, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    back.fit(x_, y_, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    return {"types": [type(m).__name__ for m in (back, deep, clone)],
+            "predict_same": [bool(_close(deep.predict(x, verbose=0), want))],
+            "trains_on_same": _same_weights(back.get_weights(), ref.get_weights()),
+            "iterations": int(back.optimizer.iterations.numpy()),
+            "clone_wraps": type(clone.wrapped).__name__}
+
+
+def case_multi_optimizer_m2(ctx: Any) -> str:
+    """Keras's MultiOptimizer at partitions=2: refused before training, with a clear error (a
+    sub-optimizer whose variables live on another rank would never step on this one)."""
+    def make(dm: Any) -> None:
+        dm.compile(loss="mse", optimizer=keras.optimizers.MultiOptimizer(
+            keras.optimizers.OptimizerMap(default_optimizer=keras.optimizers.SGD(0.1),
+                                          optimizer_map={".*d0/.*": keras.optimizers.SGD(0.01)})))
+
+    return _refusal(ctx, make, _m(ctx))
+
+
+def case_csv_logger_m2(ctx: Any) -> dict[str, Any]:
+    """CSVLogger given the same path on every rank (a shared file system): the file has plain
+    Keras's rows, written once (world rank 0 writes the logs)."""
+    import csv
+
+    x, y = _data()
+
+    def rows(model: Any, path: str) -> list[list[str]]:
+        model.compile(**_compile())
+        for epochs, append in ((2, False), (1, True)):  # Keras's test: a second fit appends
+            model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, shuffle=False,
+                      validation_data=(x, y),
+                      callbacks=[keras.callbacks.CSVLogger(path, append=append)])
+        ctx.world.barrier()
+        with open(path) as f:
+            return [r for r in csv.reader(f) if r]
+
+    with _shared_folder(ctx) as folder:
+        want = rows(_mlp(), os.path.join(folder, f"plain{ctx.rank}.csv"))
+        got = rows(_pipelined(_mlp, _m(ctx), x, ctx), os.path.join(folder, "dm.csv"))
+    same = len(got) == len(want) and got[0] == want[0] and all(
+        len(a) == len(b) and a[0] == b[0]
+        and _close(np.asarray(a[1:], float), np.asarray(b[1:], float))
+        for a, b in zip(got[1:], want[1:]))
+    return {"rows": len(got), "want_rows": len(want), "same": bool(same)}
+
+
+def case_one_dimensional_inputs_m2(ctx: Any) -> dict[str, Any]:
+    """A (batch,) array for an Input of shape (1,) (Keras's test of saving to a file object
+    trains so): Keras's Functional model adds the last dimension, and so does tfsmp."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=48).astype(np.float32)
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((1,), name="x"), keras.layers.Dense(4, name="d0"),
+                                 keras.layers.Dense(1, name="out")])
+
+    out = _fit_compare(ctx, lambda: (x, 2 * x), {"batch_size": BATCH, "epochs": 2,
+                                                  "shuffle": False},
+                       build=build, compile_kw={"metrics": []}, x=x[:, None])
+    return out
