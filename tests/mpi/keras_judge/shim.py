@@ -71,6 +71,8 @@ FORWARDED = TRAINER_ENTRIES | frozenset({
     "get_weights", "set_weights", "save", "save_weights", "load_weights",
     "get_metrics_result", "reset_metrics", "metrics", "metrics_names", "metrics_variables",
     "compiled_loss", "compiled_metrics", "optimizer", "stop_training", "history",
+    # what Keras's tests compare `metrics` with: the trainer's own trackers
+    "_loss_tracker", "_compile_metrics", "_compile_loss",
 })
 METHODS = TRAINER_ENTRIES | frozenset({
     "get_weights", "set_weights", "save", "save_weights", "load_weights",
