@@ -115,9 +115,13 @@ class Engine:
         # updated once, from its first stage's accumulator, which holds the summed gradient
         self.ties = TiedCopies.of(traced, plan, self.programs, comm.pipeline, self.placement,
                                   tag_ub=comm.tag_ub, watch=_watched)
+        # [Note: optimizer shards] in tfsmp/partitioning/shards.py (shard_optimizer_state)
+        owned = (None if self.view.owned is None
+                 else {id(v) for v in self.view.optimizer_variables})
         self.updates = Updates(self.programs, self.ties, self.run, pipe_rank=comm.pipeline.rank,
                                group=comm.pipeline, xla=bool(config.xla), rank_tag=rank_tag,
-                               counted=self._counted_here)
+                               counted=self._counted_here, owned=owned, exchange_group=comm.data,
+                               clip_group=comm.world, watch=_watched)
         self.batching = Batching(traced, data_rank=comm.data.rank, data_size=comm.data.size,
                                  microbatches=config.microbatches, rank_tag=rank_tag)
         self.reduction = Reduction(comm.data, horovod=horovod, watch=_watched)
