@@ -3,7 +3,7 @@
 Example::
 
     owners({"d0/kernel": 4096, "d0/bias": 64, "d1/kernel": 4096}, parts=2)
-    # {"d0/kernel": 0, "d1/kernel": 1, "d0/bias": 0}
+    # {"d0/bias": 0, "d0/kernel": 0, "d1/kernel": 1}
     largest_share([4096, 64, 4096], parts=2)     # 4160: what the busiest replica holds
 
 [Note: optimizer shards] With ``shard_optimizer_state`` the replicas of one pipeline rank split
@@ -23,7 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["largest_share", "owners", "split"]
+__all__ = ["BUCKET_BYTES", "exchange_bytes", "largest_share", "owners", "split"]
+
+# The most bytes one collective of the weight exchange carries ([Note: weight exchange] in
+# tfsmp/runtime/sharding.py); a larger variable goes alone.
+BUCKET_BYTES = 32 * 2**20
 
 
 def split(sizes: Sequence[float], parts: int) -> list[int]:
@@ -60,3 +64,9 @@ def largest_share(sizes: Sequence[float], parts: int) -> float:
     for size, part in zip(sizes, split(sizes, max(parts, 1))):
         load[part] += size
     return max(load)
+
+
+def exchange_bytes(sizes: Sequence[float]) -> float:
+    """The largest buffer the weight exchange holds for variables of ``sizes`` bytes: a
+    bucket of up to `BUCKET_BYTES`, or one larger variable."""
+    return min(max(BUCKET_BYTES, max(sizes, default=0.0)), sum(sizes))

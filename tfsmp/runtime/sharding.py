@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from tfsmp.partitioning.shards import owners
+from tfsmp.partitioning.shards import BUCKET_BYTES, owners
 
 if TYPE_CHECKING:
     from tfsmp.comm.base import Group
@@ -37,8 +37,6 @@ if TYPE_CHECKING:
     from tfsmp.schedule.placement import Placement
 
 __all__ = ["BUCKET_BYTES", "WeightExchange", "replica_owners", "variable_bytes"]
-
-BUCKET_BYTES = 32 * 2**20
 
 
 def variable_bytes(v: Any) -> int:
