@@ -46,7 +46,7 @@ def test_owners_do_not_depend_on_the_order_a_rank_lists_its_variables() -> None:
 
 
 def test_bad_arguments_say_what_must_hold() -> None:
-    with pytest.raises(ValueError, match="at least one replica. Received: parts=0"):
+    with pytest.raises(ValueError, match=r"at least one replica\. Received: parts=0"):
         split([1], 0)
     with pytest.raises(ValueError, match="sizes must be >= 0"):
         split([-1], 2)

@@ -75,8 +75,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tfsmp.graph.ir import LayerGraph, optimizer_slots
-from tfsmp.partitioning.shards import exchange_bytes, largest_share
 from tfsmp.partitioning.plan import StagePlan
+from tfsmp.partitioning.shards import exchange_bytes, largest_share
 from tfsmp.partitioning.ties import copy_memory
 
 __all__ = [
