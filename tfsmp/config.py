@@ -328,8 +328,8 @@ _PARAMS: list[Param] = [
         "replica of a stage keeps the optimizer slots of, and updates, only the variables it owns "
         "(balanced by size), then sends their new values to the other replicas; training equals "
         "the unsharded run. Checkpoints and saved files hold the whole state, readable at any "
-        "layout. No effect with one replica, or when an smp.step script applies its own "
-        "optimizer. SMP had it for PyTorch only (docs/memory.md, \"Sharded optimizer state\").")),
+        "layout. No effect with one replica; refused by a training smp.step (the script applies "
+        "its own optimizer). SMP had it for PyTorch only (docs/memory.md, \"Sharded optimizer state\").")),
 ]
 PARAMETERS: dict[str, Param] = {p.name: p for p in _PARAMS}
 

@@ -67,17 +67,17 @@ CASES = SCRIPTS / "sharded_ckpt_cases.py"
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     directory = tmp_path_factory.mktemp("sharded_ckpt")
-    results = run_cases(4, CASES, ["case_save_sharded"], env={"TFSMP_CKPT_DIR": str(directory)},
-                        timeout=300)
+    results = run_cases(4, CASES, ["case_save_sharded", "case_smp_step_refuses_sharding"],
+                        env={"TFSMP_CKPT_DIR": str(directory)}, timeout=360)
     assert_ok(results)
-    return directory, results["case_save_sharded"]
+    return directory, results
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(420)
 def test_sharded_save_writes_every_slot_from_its_owner(saved: tuple[Path, dict[str, Any]]
                                                        ) -> None:
-    _, ranks = saved
-    mine = {r: d["result"] for r, d in ranks.items()}
+    _, results = saved
+    mine = {r: d["result"] for r, d in results["case_save_sharded"].items()}
     assert mine[0]["ref_err"] <= 1.0, mine[0]
     # the replicas' owned keys partition each pipeline rank's trainable variables
     for pipe in range(2):
@@ -89,6 +89,16 @@ def test_sharded_save_writes_every_slot_from_its_owner(saved: tuple[Path, dict[s
     # the weights file: plain Keras loads the whole optimizer state, equal to its own
     assert mine[0]["num_opt_vars"][0] == mine[0]["num_opt_vars"][1], mine[0]
     assert mine[0]["file_opt_err"] <= 1.0 and mine[0]["file_weight_err"] <= 1.0, mine[0]
+
+
+@pytest.mark.timeout(420)
+def test_smp_step_refuses_sharded_optimizer_state(saved: tuple[Path, dict[str, Any]]) -> None:
+    _, results = saved
+    for d in results["case_smp_step_refuses_sharding"].values():
+        assert d["result"]["error_type"] == "StepError", d
+        assert "shard_optimizer_state shards the optimizer of compile() and fit()" in \
+            d["result"]["message"], d
+        assert "Fix: set shard_optimizer_state=False" in d["result"]["message"], d
 
 
 @pytest.mark.timeout(600)

@@ -243,6 +243,7 @@ class Engine:
         script applies them, `step_gradients` hands them over)."""
         if train:
             self.ties.check_collect(self.rank_tag)
+            self._check_unsharded()
         mbs = self.batching.given_microbatches(inputs)
         self._configure_executors()
         m = len(mbs)
@@ -250,6 +251,17 @@ class Engine:
             self.executors.forward(m)
         self.steps += 1
         return ex.run(mbs, mode=StepMode(train=train, collect=True), head=head)
+
+    def _check_unsharded(self) -> None:
+        """An `smp.step` script applies its own optimizer to every variable of the rank, which
+        sharded optimizer state cannot split ([Note: optimizer shards])."""
+        if self.view.owned is not None:
+            raise StepError(
+                f"{self.rank_tag} shard_optimizer_state shards the optimizer of compile() and "
+                f"fit()/train_on_batch(); an smp.step script applies its own optimizer to all "
+                f"of a rank's variables. Received: shard_optimizer_state=True with "
+                f"{self.comm.data.size} replicas and a training smp.step. Fix: set "
+                f"shard_optimizer_state=False, or train with model.fit.")
 
     def step_gradients(self, result: StepResult, body: Mapping[int, Sequence[Any]]
                        ) -> list[list[tf.Tensor]]:

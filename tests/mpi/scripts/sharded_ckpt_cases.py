@@ -103,6 +103,25 @@ def case_save_sharded(ctx: object) -> dict[str, object]:
     return out
 
 
+def case_smp_step_refuses_sharding(ctx: object) -> dict[str, object]:
+    """A training smp.step applies the script's own optimizer: sharding is refused, clearly."""
+    _init(partitions=2, shard_optimizer_state=True)
+    x, y = mlp_data()
+    model = tfsmp.DistributedModel(build_mlp())
+
+    @tfsmp.step
+    def grads(xb: tf.Tensor, yb: tf.Tensor) -> object:
+        with tf.GradientTape() as tape:
+            loss = keras.losses.mean_squared_error(yb, model(xb, training=True))
+        return tape.gradient(loss, model.trainable_variables), loss
+
+    try:
+        grads(tf.constant(x[:BATCH]), tf.constant(y[:BATCH]))
+    except Exception as e:  # the StepError, on every rank
+        return {"error_type": type(e).__name__, "message": str(e)}
+    return {"error_type": None, "message": ""}
+
+
 def _restore(**config: object) -> dict[str, object]:
     _init(**config)
     x, y = mlp_data()
