@@ -302,7 +302,7 @@ def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], spl
     if sharded:  # [Note: sharded state]
         optimizer = int(largest_share([u for m in mine for u in m.optimizer_units],
                                       s.data_parallel))
-        buffers += exchange_bytes([u for m in mine for u in m.trainable_units])
+        buffers += int(exchange_bytes([u for m in mine for u in m.trainable_units]))
     accumulators = 0 if direct else sum(m.trainable - (m.linear if m.stage in late else 0)
                                         for m in mine)
     tensors = weights + optimizer + accumulators + max(peak, step)

@@ -40,7 +40,7 @@ __all__ = ["BUCKET_BYTES", "WeightExchange", "replica_owners", "variable_bytes"]
 
 
 def variable_bytes(v: Any) -> int:
-    return int(np.prod(v.shape, dtype=np.int64)) * tf.as_dtype(v.dtype).size
+    return int(np.prod(v.shape, dtype=np.int64)) * int(tf.as_dtype(v.dtype).size)
 
 
 def replica_owners(traced: TracedModel, plan: StagePlan, placement: Placement,
