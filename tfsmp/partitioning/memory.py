@@ -32,9 +32,11 @@ it holds at once during a step:
 - [Note: sharded state] with ``shard_optimizer_state`` and d > 1 replicas, a rank's optimizer
   state is the busiest replica's share of its layers' slots, split as the runtime splits
   variables (`tfsmp.partitioning.shards`, layers standing for their variables), about 1/d;
-  the weight exchange after the step adds one bucket to its buffers
+  the weight exchange after the step adds `EXCHANGE_COPIES` buckets to its buffers
   (`tfsmp.partitioning.shards.exchange_bytes`). Accumulators stay whole: every replica
-  holds the gradient of every variable after the reduction.
+  holds the gradient of every variable after the reduction. With d > 1 (sharded or not) the
+  gradient sums hold one shared bucket-sized host buffer ([Note: reduction buckets] in
+  tfsmp/runtime/reduction.py).
 - *buffers*, host memory outside TensorFlow's allocator: every message of a step has its own
   pre-posted buffer, kept from step to step ([Note: receive buffers] in
   tfsmp/runtime/executor.py): the activations a rank receives and the gradients it gets back,
@@ -118,6 +120,11 @@ TIE_GRADIENT_COPIES = 4
 # Weight gradients alive at once while a stage accumulates or updates them as backward produces
 # them, in units of its largest layer's trainable bytes (two inter-op threads run ahead).
 GRADIENTS_IN_FLIGHT = 3
+# Copies of one bucket the weight exchange holds at once with sharded optimizer state: its
+# host buffer and a variable's value on its way in or out of TensorFlow (measured: sharding
+# 8 Dense(4096) layers at p=2 x d=2 saved 98-227 MiB of a rank's peak for 256 MiB of slots,
+# with 64 MiB buckets; benchmarks/bench_sharded_state.py).
+EXCHANGE_COPIES = 2
 _LINEAR = ("Dense", "EinsumDense")
 
 
@@ -298,11 +305,13 @@ def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], spl
         step = walk.kept + walk.waiting_total + GRADIENTS_IN_FLIGHT * largest
     ops = sum(m.ops for m in mine)
     weights, optimizer = sum(m.weights for m in mine), int(sum(m.optimizer for m in mine))
-    sharded = s.shard_optimizer_state and s.data_parallel > 1
-    if sharded:  # [Note: sharded state]
+    bucket = exchange_bytes([u for m in mine for u in m.trainable_units])
+    if s.data_parallel > 1:  # the gradient sums' shared host buffer ([Note: reduction buckets])
+        buffers += int(bucket)
+    if s.shard_optimizer_state and s.data_parallel > 1:  # [Note: sharded state]
         optimizer = int(largest_share([u for m in mine for u in m.optimizer_units],
                                       s.data_parallel))
-        buffers += int(exchange_bytes([u for m in mine for u in m.trainable_units]))
+        buffers += int(EXCHANGE_COPIES * bucket)
     accumulators = 0 if direct else sum(m.trainable - (m.linear if m.stage in late else 0)
                                         for m in mine)
     tensors = weights + optimizer + accumulators + max(peak, step)
