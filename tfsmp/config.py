@@ -84,6 +84,7 @@ class Config:
     nonfinite: str = "raise"
     seed: int | None = None
     partition_file: str | None = None
+    shard_optimizer_state: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -322,6 +323,13 @@ _PARAMS: list[Param] = [
     Param("partition_file", "str or None", None, "a path", sdk=True, check=_optional(_path), help=(
         "Stage plan JSON (StagePlan.to_json) to use instead of partitioning the model. "
         "Undocumented in SMP.")),
+    Param("shard_optimizer_state", "bool", False, "True, False", sdk=True, check=_bool, help=(
+        "Shard the optimizer state across data-parallel replicas (DeepSpeed's ZeRO stage 1): each "
+        "replica of a stage keeps the optimizer slots of, and updates, only the variables it owns "
+        "(balanced by size), then sends their new values to the other replicas; training equals "
+        "the unsharded run. Checkpoints and saved files hold the whole state, readable at any "
+        "layout. No effect with one replica; refused by a training smp.step (the script applies "
+        "its own optimizer). SMP had it for PyTorch only (docs/memory.md, \"Sharded optimizer state\").")),
 ]
 PARAMETERS: dict[str, Param] = {p.name: p for p in _PARAMS}
 
@@ -347,8 +355,6 @@ PYTORCH_ONLY: dict[str, str] = {
     "fp16": "use " + _MIXED.format("mixed_float16"),
     "fp16_params": "use " + _MIXED.format("mixed_float16"),
     "bf16": "use " + _MIXED.format("mixed_bfloat16"),
-    "shard_optimizer_state": "none: each stage already holds only its own optimizer state; "
-                             "remove it",
     "offload_activations": "none; optimize='memory' keeps only boundary tensors; remove it",
     "activation_loading_horizon": "none (it tunes offload_activations); remove it",
     "prescaled_batch": "none (it applies to tensor parallelism); remove it",

@@ -118,7 +118,7 @@ BAD: list[tuple[Any, str]] = [
     ({"tensor_parallel_degree": 2}, "TensorFlow equivalent: none: TensorFlow has no tensor parallelism"),
     ({"fp16": True}, 'keras.mixed_precision.set_global_policy("mixed_float16")'),
     ({"bf16": True}, 'keras.mixed_precision.set_global_policy("mixed_bfloat16")'),
-    ({"shard_optimizer_state": True}, "'shard_optimizer_state' is a PyTorch-only SMP parameter"),
+    ({"shard_optimizer_state": 1}, "shard_optimizer_state must be a value in: [True, False]. Received: shard_optimizer_state=1."),
     ({"delayed_parameter_initialization": True}, "build the model under tfsmp.deferred_init()"),
     ({"sdp_reduce_bucket_size": 5}, "'sdp_reduce_bucket_size' is a PyTorch-only SMP parameter"),
     ({"partitions": 2, "pipeline_parallel_degree": 4}, "partitions and pipeline_parallel_degree name the same parameter and must agree. Received: partitions=2, pipeline_parallel_degree=4."),

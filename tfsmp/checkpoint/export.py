@@ -264,7 +264,10 @@ def _with_optimizer(dm: Any, layout: H5Layout, owners: dict[int, int]
     entries, owners = list(layout.entries), dict(owners)
     for i, (kind, name) in enumerate(order):
         local = slots.get(name) if kind == "slot" else globals_.get(name)
-        owners[len(entries)] = view.writer[name[0]] if kind == "slot" else globals_rank
+        # a slot's writer holds it: with sharded optimizer state, its owner ([Note: optimizer
+        # shards] in tfsmp/partitioning/shards.py)
+        writer = view.slot_writer or view.writer
+        owners[len(entries)] = writer[name[0]] if kind == "slot" else globals_rank
         entries.append(Entry(keras_optimizer.GROUP, str(i), local))
     groups = [*layout.groups, (keras_optimizer.GROUP, {"name": optimizer.name})]
     return H5Layout(groups, entries), owners

@@ -108,5 +108,5 @@ def local_state(dm: Any) -> tuple[dict[tuple[str, str], Any], dict[str, Any]]:
     optimizer = dm.optimizer
     view = dm.rank_view
     if not optimizer.built:
-        optimizer.build(list(view.trainable_variables))
+        optimizer.build(list(view.optimizer_variables))  # its replica's, when sharded
     return optimizer_state(optimizer, layout_of(dm))

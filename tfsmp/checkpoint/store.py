@@ -137,13 +137,15 @@ def _write_mine(tmp: str, layout: RankView, slots: dict[tuple[str, str], Any],
     never builds its optimizer); world rank 0 writes the extras and the random state."""
     out: dict[str, dict[str, Any]] = {"variables": {}, "slots": {}, "optimizer": {},
                                       "extras": {}, "rng": {}}
-    writes = set(layout.writes)
+    # a slot is written by the rank whose optimizer holds it: data rank 0's, or with sharded
+    # optimizer state its owner's ([Note: optimizer shards] in tfsmp/partitioning/shards.py)
+    slot_writer = layout.slot_writer or layout.writer
     for key in layout.writes:
         v = layout.variables[key]
         out["variables"][key] = fmt.write_array(tmp, fmt.array_file("model", key), _numpy(v),
                                                 _dtype(v))
     for (key, slot), v in slots.items():
-        if key in writes:
+        if slot_writer.get(key) == layout.world_rank:
             name = f"{key}/{slot}"
             out["slots"][name] = fmt.write_array(tmp, fmt.array_file("slots", name), _numpy(v),
                                                  _dtype(v))
@@ -409,7 +411,7 @@ def restore_state(dm: Any, path: str, *, optimizer: Any = None,
     globals_: dict[str, Any] = {}
     if optimizer is not None:
         if not optimizer.built:  # slots must exist to receive their values
-            optimizer.build(view.trainable_variables)
+            optimizer.build(view.optimizer_variables)  # its replica's, when sharded
         slots, globals_ = _try(errors, lambda: optimizer_state(optimizer, view)) or ({}, {})
     if world.rank == 0:
         errors += _unexpected(manifest, view, path)

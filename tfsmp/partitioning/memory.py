@@ -29,6 +29,14 @@ it holds at once during a step:
   conditions, linear layers whose inputs and output gradients for the step are smaller than
   their weights: those are held for the step instead, and each gradient is computed inside its
   update ([Note: weights at the step's end] in tfsmp/runtime/stage.py, `late_weights_pay`).
+- [Note: sharded state] with ``shard_optimizer_state`` and d > 1 replicas, a rank's optimizer
+  state is the busiest replica's share of its layers' slots, split as the runtime splits
+  variables (`tfsmp.partitioning.shards`, layers standing for their variables), about 1/d;
+  the weight exchange after the step adds `EXCHANGE_COPIES` buckets to its buffers
+  (`tfsmp.partitioning.shards.exchange_bytes`). Accumulators stay whole: every replica
+  holds the gradient of every variable after the reduction. With d > 1 (sharded or not) the
+  gradient sums hold one shared bucket-sized host buffer ([Note: reduction buckets] in
+  tfsmp/runtime/reduction.py).
 - *buffers*, host memory outside TensorFlow's allocator: every message of a step has its own
   pre-posted buffer, kept from step to step ([Note: receive buffers] in
   tfsmp/runtime/executor.py): the activations a rank receives and the gradients it gets back,
@@ -70,6 +78,7 @@ from typing import Any
 
 from tfsmp.graph.ir import LayerGraph, optimizer_slots
 from tfsmp.partitioning.plan import StagePlan
+from tfsmp.partitioning.shards import exchange_bytes, largest_share
 from tfsmp.partitioning.ties import copy_memory
 
 __all__ = [
@@ -111,6 +120,11 @@ TIE_GRADIENT_COPIES = 4
 # Weight gradients alive at once while a stage accumulates or updates them as backward produces
 # them, in units of its largest layer's trainable bytes (two inter-op threads run ahead).
 GRADIENTS_IN_FLIGHT = 3
+# Copies of one bucket the weight exchange holds at once with sharded optimizer state: its
+# host buffer and a variable's value on its way in or out of TensorFlow (measured: sharding
+# 8 Dense(4096) layers at p=2 x d=2 saved 98-227 MiB of a rank's peak for 256 MiB of slots,
+# with 64 MiB buckets; benchmarks/bench_sharded_state.py).
+EXCHANGE_COPIES = 2
 _LINEAR = ("Dense", "EinsumDense")
 
 
@@ -134,6 +148,7 @@ class MemorySettings:
     optimizer: str | None = None
     nonfinite: str = "raise"
     direct: bool | None = None
+    shard_optimizer_state: bool = False  # each replica holds its share ([Note: sharded state])
     baseline: int = BASELINE_BYTES
     runtime: int = RUNTIME_BYTES
 
@@ -158,6 +173,10 @@ class StageMemory:
     ops: int = 0            # TensorFlow operations of its forward graph
     tied: int = 0           # trainable bytes of tied variables summed with other stages
     linear: int = 0         # trainable bytes of its linear layers (weights at the step's end)
+    # per layer (and tied copy), its optimizer state and trainable bytes: the units replicas
+    # split with sharded optimizer state ([Note: sharded state])
+    optimizer_units: tuple[float, ...] = ()
+    trainable_units: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -224,6 +243,11 @@ def stage_memory(plan: StagePlan, graph: LayerGraph, stage: int,
         # a layer whose calls include linear ones (measured: linear_bytes) counts whole
         linear=sum(n.trainable_param_bytes for n in nodes
                    if n.kind in _LINEAR or n.linear_bytes > 0),
+        optimizer_units=tuple(optimizer_slots(optimizer) * n.trainable_param_bytes
+                              for n in nodes if n.trainable_param_bytes)
+        + tuple(copy_memory(t, optimizer) - t.param_bytes for t in copies),
+        trainable_units=tuple(n.trainable_param_bytes for n in nodes if n.trainable_param_bytes)
+        + tuple(t.trainable_param_bytes for t in copies),
     )
 
 
@@ -281,6 +305,13 @@ def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], spl
         step = walk.kept + walk.waiting_total + GRADIENTS_IN_FLIGHT * largest
     ops = sum(m.ops for m in mine)
     weights, optimizer = sum(m.weights for m in mine), int(sum(m.optimizer for m in mine))
+    bucket = exchange_bytes([u for m in mine for u in m.trainable_units])
+    if s.data_parallel > 1:  # the gradient sums' shared host buffer ([Note: reduction buckets])
+        buffers += int(bucket)
+    if s.shard_optimizer_state and s.data_parallel > 1:  # [Note: sharded state]
+        optimizer = int(largest_share([u for m in mine for u in m.optimizer_units],
+                                      s.data_parallel))
+        buffers += int(EXCHANGE_COPIES * bucket)
     accumulators = 0 if direct else sum(m.trainable - (m.linear if m.stage in late else 0)
                                         for m in mine)
     tensors = weights + optimizer + accumulators + max(peak, step)
@@ -387,7 +418,8 @@ def settings_of(config: Any, optimizer: str | None, batch_size: int,
         pipeline=config.pipeline, virtual_stages=config.chunks,
         active_microbatches=config.active_microbatches, batch_size=max(batch_size, 1),
         data_parallel=data_parallel, optimize=config.optimize, optimizer=optimizer,
-        nonfinite=config.nonfinite)
+        nonfinite=config.nonfinite,
+        shard_optimizer_state=bool(getattr(config, "shard_optimizer_state", False)))
 
 
 def late_weights_pay(held_per_step: float, accumulators: float) -> bool:
@@ -434,6 +466,8 @@ def group_bytes(graph: LayerGraph, groups: Sequence[Sequence[str]], settings: Me
     s = settings
     b = s.batch_size / s.microbatches
     slots = optimizer_slots(s.optimizer)
+    if s.shard_optimizer_state and s.data_parallel > 1:
+        slots /= s.data_parallel  # an even share: the plan's groups are split per replica later
     direct = s.direct if s.direct is not None else run_of(s).direct_possible(0)
     read: dict[str, set[str]] = {}
     for k in graph.inputs:

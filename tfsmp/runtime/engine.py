@@ -115,9 +115,13 @@ class Engine:
         # updated once, from its first stage's accumulator, which holds the summed gradient
         self.ties = TiedCopies.of(traced, plan, self.programs, comm.pipeline, self.placement,
                                   tag_ub=comm.tag_ub, watch=_watched)
+        # [Note: optimizer shards] in tfsmp/partitioning/shards.py (shard_optimizer_state)
+        owned = (None if self.view.owned is None
+                 else {id(v) for v in self.view.optimizer_variables})
         self.updates = Updates(self.programs, self.ties, self.run, pipe_rank=comm.pipeline.rank,
                                group=comm.pipeline, xla=bool(config.xla), rank_tag=rank_tag,
-                               counted=self._counted_here)
+                               counted=self._counted_here, owned=owned, exchange_group=comm.data,
+                               clip_group=comm.world, watch=_watched)
         self.batching = Batching(traced, data_rank=comm.data.rank, data_size=comm.data.size,
                                  microbatches=config.microbatches, rank_tag=rank_tag)
         self.reduction = Reduction(comm.data, horovod=horovod, watch=_watched)
@@ -239,6 +243,7 @@ class Engine:
         script applies them, `step_gradients` hands them over)."""
         if train:
             self.ties.check_collect(self.rank_tag)
+            self._check_unsharded()
         mbs = self.batching.given_microbatches(inputs)
         self._configure_executors()
         m = len(mbs)
@@ -246,6 +251,17 @@ class Engine:
             self.executors.forward(m)
         self.steps += 1
         return ex.run(mbs, mode=StepMode(train=train, collect=True), head=head)
+
+    def _check_unsharded(self) -> None:
+        """An `smp.step` script applies its own optimizer to every variable of the rank, which
+        sharded optimizer state cannot split ([Note: optimizer shards])."""
+        if self.view.owned is not None:
+            raise StepError(
+                f"{self.rank_tag} shard_optimizer_state shards the optimizer of compile() and "
+                f"fit()/train_on_batch(); an smp.step script applies its own optimizer to all "
+                f"of a rank's variables. Received: shard_optimizer_state=True with "
+                f"{self.comm.data.size} replicas and a training smp.step. Fix: set "
+                f"shard_optimizer_state=False, or train with model.fit.")
 
     def step_gradients(self, result: StepResult, body: Mapping[int, Sequence[Any]]
                        ) -> list[list[tf.Tensor]]:

@@ -105,6 +105,18 @@ class OptimizerBridge:
         inner._clip_gradients = clip_gradients
         return True
 
+    def join_global_norm(self) -> None:
+        """A rank whose optimizer updates nothing this step (no trainable variable, or with
+        sharded optimizer state none owned) adds nothing to the global norm's sum, which the
+        other ranks' clipping waits for: one collective, matching theirs."""
+        if not self._global_clip:
+            return
+        inner = self.optimizer.inner_optimizer if self.loss_scaled else self.optimizer
+        steps = getattr(inner, "gradient_accumulation_steps", None)
+        if steps and (int(inner.iterations.numpy()) + 1) % steps != 0:
+            return  # Keras clips only on the steps that apply the accumulated gradients
+        self.group.allreduce_obj(0.0, "sum")
+
     def loss_scale(self) -> float:
         """What every microbatch's losses are multiplied by: ``optimizer.scale_loss(1)``."""
         if not self.scaled:

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
+from tfsmp.partitioning.shards import BUCKET_BYTES
 from tfsmp.runtime.buffers import aligned_empty, as_tensor, held, host_view
+from tfsmp.runtime.sharding import WeightExchange, variable_bytes
 
 if TYPE_CHECKING:
     from tfsmp.comm.base import Group
@@ -43,20 +45,24 @@ class Reduction:
         self.size = group.size
         self.horovod = horovod  # with `horovod: True`, gradients are summed through Horovod
         self.watch = watch or (lambda what: contextlib.nullcontext())
-        self._reducers: dict[tuple[Any, ...], _FusedReducer] = {}
+        self._reducers: dict[tuple[Any, ...], list[_FusedReducer]] = {}
+        self._shared = _SharedBuffer()  # [Note: reduction buckets]
         self._sparse_union: dict[int, set[int]] = {}  # [Note: sparse agreement]
 
     def sum_(self, variables: list[Any], what: str, *, wide: bool = False) -> None:
         """Sums ``variables`` over the replicas through one fused MPI buffer (``wide``: in
         float64) and assigns the result back ([Note: fused reduction])."""
         key = (tuple(id(v) for v in variables), wide)
-        reducer = self._reducers.get(key)
-        if reducer is None:
-            reducer = self._reducers[key] = _FusedReducer(variables, wide)
-        flat = reducer.gather()
-        with self.watch(what):
-            self.group.allreduce_(flat)
-        reducer.scatter(flat, 1.0)
+        reducers = self._reducers.get(key)
+        if reducers is None:
+            reducers = self._reducers[key] = [_FusedReducer(b, wide, self._shared)
+                                              for b in _buckets(variables)]
+        for reducer in reducers:  # [Note: reduction buckets]
+            flat = reducer.gather()
+            with self.watch(what):
+                self.group.allreduce_(flat)
+            reducer.scatter(flat, 1.0)
+            del flat  # the shared buffer is free for the next bucket
 
     def broadcast_first(self, variables: list[Any]) -> None:
         """Gives every replica data rank 0's floating ``variables``, so that replicas start
@@ -64,13 +70,13 @@ class Reduction:
         floats = _floats(variables)
         if self.size == 1 or not floats:
             return
-        reducer = _FusedReducer(floats, wide=True)
-        flat = reducer.gather()
-        if self.group.rank != 0:
-            flat[:] = 0.0  # a sum with zeros from the others is data rank 0's values, exactly
-        with self.watch("the broadcast of the first replica's initial weights"):
-            self.group.allreduce_(flat)
-        reducer.scatter(flat, 1.0)
+        # a sum with zeros from the others is data rank 0's values, exactly, in buckets of the
+        # variables' own dtype ([Note: weight exchange] in sharding.py): one fused float64
+        # copy of a rank's weights held 4-5x the weights at once (measured: a rank's peak of
+        # 3.2 GiB for 256 MiB of weights and 512 MiB of Adam slots; benchmarks/
+        # bench_sharded_state.py)
+        WeightExchange(floats, [self.group.rank == 0] * len(floats), self.group, self.watch,
+                       "the broadcast of the first replica's initial weights").exchange()
 
     def mean(self, values: list[Any], what: str = "a data-parallel mean", *,
              wide: bool = False) -> list[tf.Tensor]:
@@ -138,6 +144,42 @@ class Reduction:
             self.sum_(accs, f"the data-parallel allreduce of stage {stage}'s gradients")
 
 
+def _buckets(variables: list[Any]) -> list[list[Any]]:
+    """[Note: reduction buckets] Consecutive groups of ``variables`` of at most `BUCKET_BYTES`
+    (a larger variable alone). One fused buffer of a rank's every gradient held its gradients
+    three times more during the reduction (the buffer, the concatenation, the scaled copy);
+    buckets, which take one shared host buffer in turn, hold a bucket's worth instead, and a
+    model of small variables still reduces in one call."""
+    out: list[list[Any]] = []
+    size = 0
+    for v in variables:
+        n = variable_bytes(v)
+        if out and size + n <= BUCKET_BYTES:
+            out[-1].append(v)
+            size += n
+        else:
+            out.append([v])
+            size = n
+    return out
+
+
+class _SharedBuffer:
+    """One 64-byte-aligned host buffer that the buckets of a rank's reductions take in turn."""
+
+    def __init__(self) -> None:
+        self.raw: np.ndarray | None = None
+
+    def take(self, size: int, dtype: np.dtype[Any]) -> np.ndarray:
+        """``size`` elements of ``dtype``: the shared buffer's start, or a new buffer while a
+        tensor still aliases it."""
+        nbytes = size * dtype.itemsize
+        raw = self.raw
+        if raw is None or raw.nbytes < nbytes or held(raw):
+            raw = self.raw = aligned_empty((max(nbytes, 0 if raw is None else raw.nbytes),),
+                                           np.dtype(np.uint8))
+        return raw[:nbytes].view(dtype)
+
+
 class _FusedReducer:
     """Flattens a fixed list of variables into one buffer and back.
 
@@ -149,8 +191,10 @@ class _FusedReducer:
     docs/performance.md).
     """
 
-    def __init__(self, variables: list[Any], wide: bool) -> None:
+    def __init__(self, variables: list[Any], wide: bool, shared: _SharedBuffer | None = None
+                 ) -> None:
         self.variables = variables
+        self.shared = shared  # a buffer taken in turn with other buckets, else its own
         kinds = {np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype) for v in variables}
         common = np.dtype(np.float64) if wide else np.result_type(*kinds)
         if common.kind != "f":  # bfloat16 (ml_dtypes): MPI has no sum for it
@@ -174,6 +218,10 @@ class _FusedReducer:
     def gather(self) -> np.ndarray:
         """The variables' values, concatenated, in a writable aligned buffer."""
         flat = self._gather()
+        if self.shared is not None:
+            out = self.shared.take(sum(self.sizes), np.dtype(self.dtype.as_numpy_dtype))
+            np.copyto(out, host_view(flat))
+            return out
         buf = self.buffer
         if buf is None or held(buf):
             buf = self.buffer = aligned_empty((sum(self.sizes),),

@@ -7,6 +7,12 @@ Example::
     updates.set(optimizer)                  # builds it, decides direct updates ([Note: direct update])
     updates.apply(grads_by_stage, factor)   # optimizer.apply_gradients of the step's gradients
     updates.finalize()                      # the end of fit (use_ema)
+
+With sharded optimizer state ([Note: optimizer shards] in tfsmp/partitioning/shards.py), ``owned``
+names the variables this replica's optimizer builds slots for and updates; after each update
+the owners' new values go to the other replicas ([Note: weight exchange] in sharding.py), and
+``global_clipnorm`` sums the owned gradients' squared norms over every rank of the job
+(``clip_group``), so the norm still covers every gradient once.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import tensorflow as tf
 from tfsmp.errors import StepError
 from tfsmp.runtime.memory import DirectUpdate
 from tfsmp.runtime.optimizer_options import OptimizerBridge
+from tfsmp.runtime.sharding import WeightExchange
 
 if TYPE_CHECKING:
     from tfsmp.runtime.gradients import GradientState
@@ -34,7 +41,9 @@ class Updates:
 
     def __init__(self, programs: Mapping[int, StageProgram], ties: TiedCopies, run: RunPlan, *,
                  pipe_rank: int, group: Any, xla: bool, rank_tag: str,
-                 counted: Callable[[list[Any]], list[bool]]) -> None:
+                 counted: Callable[[list[Any]], list[bool]], owned: set[int] | None = None,
+                 exchange_group: Any = None, clip_group: Any = None,
+                 watch: Callable[[str], Any] | None = None) -> None:
         self.programs = programs
         # (variable, stage, index) of each trainable variable of this rank once ([Note: tied
         # reduction] in ties.py: a variable on two local stages is updated from its first)
@@ -54,10 +63,32 @@ class Updates:
         self.direct = False  # stages update inside their backward ([Note: direct update])
         self.late = False  # linear layers' gradients computed in the update at the step's end
         self._late_update: DirectUpdate | None = None
+        # sharded optimizer state: positions in `unique` this replica owns (None: all of them)
+        self.mine: list[int] | None = None
+        self.exchange: WeightExchange | None = None
+        self.clip_group = group
+        if owned is not None and exchange_group is not None and exchange_group.size > 1:
+            self.mine = [j for j, (v, _, _) in enumerate(self.unique) if id(v) in owned]
+            if len(self.mine) != len(owned):
+                raise StepError(
+                    f"{rank_tag} Every variable whose optimizer state this replica owns must be "
+                    f"one the rank updates. Received: {len(owned)} owned, {len(self.mine)} of "
+                    f"them among the rank's {len(self.unique)} trainable variables. This is a "
+                    f"tfsmp bug; set shard_optimizer_state=False meanwhile.")
+            self.exchange = WeightExchange(self.variables, [id(v) in owned for v in self.variables],
+                                           exchange_group, watch)
+            self.clip_group = clip_group if clip_group is not None else group
 
     @property
     def variables(self) -> list[Any]:
         return [v for v, _, _ in self.unique]
+
+    @property
+    def optimizer_variables(self) -> list[Any]:
+        """What this rank's optimizer updates: `variables`, or the ones its replica owns."""
+        if self.mine is None:
+            return self.variables
+        return [self.unique[j][0] for j in self.mine]
 
     def set(self, optimizer: Any) -> None:
         """Steps with ``optimizer`` from now on (None: an SMP script applies its own)."""
@@ -66,10 +97,11 @@ class Updates:
         if optimizer is None:
             self._set_direct(False)
             return
+        mine = self.optimizer_variables
         if not optimizer.built:
-            optimizer.build(self.variables)
-        self.bridge = OptimizerBridge(optimizer, self.variables, self.counted(self.variables),
-                                      self.group, xla=self.xla, rank_tag=self.rank_tag)
+            optimizer.build(mine)
+        self.bridge = OptimizerBridge(optimizer, mine, self.counted(mine), self.clip_group,
+                                      xla=self.xla, rank_tag=self.rank_tag)
         # [Note: direct update]: an optimizer with nothing beyond Keras's own apply that
         # updates variable by variable; otherwise the stages accumulate
         self._set_direct(self.direct_allowed(
@@ -94,10 +126,15 @@ class Updates:
         [Note: results own their gradients] in gradients.py), each times ``factor``;
         ``strict``: a non-finite gradient met in a late update raises (else it is applied, as
         Keras applies it)."""
-        if not self.unique and self.optimizer is not None:
-            # a rank with nothing to train counts the step too: callbacks there read the
-            # optimizer's iterations (and learning-rate schedules) as on every other rank
+        mine = list(range(len(self.unique))) if self.mine is None else self.mine
+        if not mine and self.optimizer is not None:
+            # a rank (or replica) with nothing to update counts the step too: callbacks there
+            # read the optimizer's iterations (and learning-rate schedules) as on every other
+            # rank; and it adds nothing to the global norm's sum, which the others wait for
+            if self.bridge is not None:
+                self.bridge.join_global_norm()
             self.optimizer.iterations.assign_add(1)
+            self._exchange()
             return
         if self.bridge is None:
             return
@@ -105,11 +142,19 @@ class Updates:
             self._apply_late(factor, strict)  # [Note: weights at the step's end] in stage.py
             return
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
-        for j, (_, s, i) in enumerate(self.unique):
+        for n, j in enumerate(mine):
+            _, s, i = self.unique[j]
             found = grads[s].sparse.get(i)
             if found is not None:
-                sparse[str(j)] = found
-        self.bridge.apply([grads[s].accumulators[i] for _, s, i in self.unique], sparse, factor)
+                sparse[str(n)] = found
+        self.bridge.apply([grads[self.unique[j][1]].accumulators[self.unique[j][2]] for j in mine],
+                          sparse, factor)
+        self._exchange()
+
+    def _exchange(self) -> None:
+        """[Note: weight exchange] in sharding.py: the owners' new values to every replica."""
+        if self.exchange is not None:
+            self.exchange.exchange()
 
     def _apply_late(self, factor: float, strict: bool) -> None:
         update = self._late_update or DirectUpdate(self.optimizer)
@@ -129,4 +174,6 @@ class Updates:
         """What Keras does at the end of ``fit``: the optimizer's final variable values (its
         exponential moving averages, with ``use_ema``) on every rank's own variables."""
         if self.optimizer is not None and self.unique:
-            self.optimizer.finalize_variable_values(self.variables)
+            if self.optimizer_variables:
+                self.optimizer.finalize_variable_values(self.optimizer_variables)
+            self._exchange()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +89,11 @@ class RankView:
     horovod: bool               # data-parallel gradient reduction goes through Horovod
     traced: TracedModel
     plan: StagePlan
+    # [Note: optimizer shards] in tfsmp/partitioning/shards.py: key -> world rank writing its
+    # optimizer slots (its owner), and the keys whose optimizer state this rank holds (None:
+    # every trainable variable of its stages, unsharded)
+    slot_writer: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    owned: frozenset[str] | None = None
 
     @property
     def last_rank(self) -> int:
@@ -123,6 +128,14 @@ class RankView:
                 seen.setdefault(id(v), v)
         return tuple(seen.values())
 
+    @functools.cached_property
+    def optimizer_variables(self) -> tuple[Any, ...]:
+        """What this rank's optimizer builds slots for and updates: `trainable_variables`, or
+        with sharded optimizer state the ones this replica owns."""
+        if self.owned is None:
+            return self.trainable_variables
+        return tuple(v for v in self.trainable_variables if self.keys[id(v)] in self.owned)
+
     @classmethod
     def build(cls, traced: TracedModel, plan: StagePlan, comm: Comm, config: Config,
               placement: Placement) -> RankView:
@@ -139,6 +152,16 @@ class RankView:
         topo = Topology(comm.world.size, p, config.placement_strategy)
         writer = {k: topo.rank_of(placement.rank(s), 0) for k, s in key_stage.items()}
         pipeline_rank = comm.pipeline.rank
+        slot_writer, owned = dict(writer), None
+        if getattr(config, "shard_optimizer_state", False) and comm.data.size > 1:
+            from tfsmp.runtime.sharding import replica_owners
+
+            for r in range(p):
+                split = replica_owners(traced, plan, placement, keys, r, comm.data.size)
+                slot_writer.update({k: topo.rank_of(r, d) for k, d in split.items()
+                                    if placement.rank(key_stage[k]) == r})
+                if r == pipeline_rank:
+                    owned = frozenset(k for k, d in split.items() if d == comm.data.rank)
         stages = tuple(_stage_view(traced, plan, s, keys)
                        for s in placement.stages(pipeline_rank))
         return cls(
@@ -148,7 +171,8 @@ class RankView:
             variables=MappingProxyType(variables), key_stage=MappingProxyType(key_stage),
             writer=MappingProxyType(writer),
             groups=Groups(world=comm.world, pipeline=comm.pipeline, data=comm.data),
-            horovod=bool(config.horovod), traced=traced, plan=plan)
+            horovod=bool(config.horovod), traced=traced, plan=plan,
+            slot_writer=MappingProxyType(slot_writer), owned=owned)
 
 
 def _stage_view(traced: TracedModel, plan: StagePlan, stage: int, keys: dict[int, str]

@@ -4,7 +4,7 @@ Usage (under mpirun): python -m mpi4py runtime_cases.py CASE [CASE ...]
 A CASE is ``model:partitions:microbatches:pipeline:optimize[:flag,flag]``, e.g.
 ``mlp:2:4:interleaved:speed`` or ``embed:2:4:simple:memory:adam,horovod``. Flags: ``horovod``
 (reduce over Horovod), ``adam`` (Adam instead of SGD with momentum), ``v2`` (two virtual
-stages per rank). Pipelines: ``simple``, ``interleaved``, and the zero-bubble ``zb-h1`` and
+stages per rank), ``shard`` (``shard_optimizer_state``), ``clip`` (``global_clipnorm``). Pipelines: ``simple``, ``interleaved``, and the zero-bubble ``zb-h1`` and
 ``zb-v`` (2 chunks per rank in a V).
 Every rank prints one JSON line per case: {"case", "rank", "ok", "losses", "ref_losses",
 "max_weight_err", "held_bytes", "plan_bytes", "error"}.
@@ -135,12 +135,20 @@ def loss_of(name: str) -> object:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def optimizer_of(adam: bool) -> keras.optimizers.Optimizer:
+def optimizer_of(adam: bool, clip: bool = False) -> keras.optimizers.Optimizer:
     # Adam divides by sqrt(v): on a gradient that is mathematically zero (an attention key bias)
     # it turns rounding noise into ±lr steps, so Adam cases use models without such weights.
+    # ``clip``: a global norm small enough to clip every step
+    extra = {"global_clipnorm": 0.05} if clip else {}
     if adam:
-        return keras.optimizers.Adam(1e-2)
-    return keras.optimizers.SGD(0.05, momentum=0.9)
+        return keras.optimizers.Adam(1e-2, **extra)
+    return keras.optimizers.SGD(0.05, momentum=0.9, **extra)
+
+
+def optimizer_bytes(optimizer: keras.optimizers.Optimizer) -> int:
+    """Bytes of the optimizer's non-scalar variables (its slots) on this rank."""
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in optimizer.variables
+               if len(v.shape))
 
 
 def _first(loss: object) -> float:
@@ -179,23 +187,24 @@ def run_case(spec: str) -> dict[str, object]:
         return dropout_modes(int(parts[1]), int(parts[2]))
     name, p, m, pipeline, optimize = parts[0], int(parts[1]), int(parts[2]), parts[3], parts[4]
     flags = set(parts[5].split(",")) if len(parts) > 5 else set()
-    horovod, adam = "horovod" in flags, "adam" in flags
+    horovod, adam, clip = "horovod" in flags, "adam" in flags, "clip" in flags
     virtual = 2 if "v2" in flags else 1
     if tfsmp.is_initialized():
         tfsmp.shutdown()
     tfsmp.init({"partitions": p, "microbatches": m, "pipeline": pipeline, "optimize": optimize,
-                "horovod": horovod, "virtual_stages": virtual})
+                "horovod": horovod, "virtual_stages": virtual,
+                "shard_optimizer_state": "shard" in flags})
     x, y = data(name, STEPS * BATCH)
     ref = build(name)
     init = ref.get_weights()
-    ref.compile(optimizer=optimizer_of(adam), loss=loss_of(name))
+    ref.compile(optimizer=optimizer_of(adam, clip), loss=loss_of(name))
     ref_losses = [_first(ref.train_on_batch(rows(x, i * BATCH, (i + 1) * BATCH),
                                            rows(y, i * BATCH, (i + 1) * BATCH)))
                   for i in range(STEPS)]
     model = build(name)
     model.set_weights(init)
     dm = tfsmp.DistributedModel(model)
-    dm.compile(optimizer=optimizer_of(adam), loss=loss_of(name))
+    dm.compile(optimizer=optimizer_of(adam, clip), loss=loss_of(name))
     losses = [_first(dm.train_on_batch(rows(x, i * BATCH, (i + 1) * BATCH),
                                       rows(y, i * BATCH, (i + 1) * BATCH)))
               for i in range(STEPS)]
@@ -216,7 +225,9 @@ def run_case(spec: str) -> dict[str, object]:
             # zero-bubble schedules: linear layers whose weight gradients ran in W actions, and
             # the most microbatches this rank held at once (forward until backward, or until W)
             "deferred": sum(len(p._deferred_layers or []) for p in engine.programs.values()),
-            "max_held": engine._executor.step_state.result.max_held}
+            "max_held": engine._executor.step_state.result.max_held,
+            # this rank's optimizer slots (fewer with sharded optimizer state)
+            "opt_bytes": optimizer_bytes(dm.optimizer)}
 
 
 def main(specs: list[str]) -> None:
