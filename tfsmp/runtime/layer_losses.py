@@ -78,8 +78,13 @@ def may_add_losses(layer: Any) -> bool:
     if not isinstance(layer, keras.layers.Layer):
         return False
     return any(getattr(sub, "activity_regularizer", None) is not None
-               or not type(sub).__module__.startswith("keras.")
+               or not type(sub).__module__.startswith(_KERAS_OWN_LAYERS)
                for sub in layer._flatten_layers(include_self=True))
+
+
+# Keras's own layers and models add losses only through activity regularizers; a class defined
+# anywhere else in the keras package (its shipped tests: trainer_test's LossLayer) is a user's.
+_KERAS_OWN_LAYERS = ("keras.src.layers.", "keras.src.models.", "keras.layers.", "keras.models.")
 
 
 def probe_call(call: Any) -> list[str | None] | None:
