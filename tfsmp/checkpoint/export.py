@@ -723,7 +723,11 @@ def _standalone_copy(dm: Any, weights_file: str) -> keras.Model:
     args = inputs[0] if len(inputs) == 1 else inputs
     functional = keras.Model(args, copy.call(args))
     copy.built = True
-    saving_lib.load_weights_only(copy, weights_file)
+    from tfsmp.checkpoint.keras_saving import keras_original
+
+    # a copy of an SMP-style `class M(smp.DistributedModel)` is one too: Keras's own load,
+    # on this rank alone (the dispatch's collective load hung world rank 0 here)
+    keras_original(saving_lib.load_weights_only)(copy, weights_file)
     return functional
 
 

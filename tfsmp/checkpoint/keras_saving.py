@@ -43,9 +43,16 @@ from keras.src.saving import saving_lib
 
 from tfsmp.checkpoint import export
 
-__all__ = ["install", "reduce", "unpickle"]
+__all__ = ["install", "keras_original", "reduce", "unpickle"]
 
 _MARK = "_tfsmp_dispatch"  # on an installed dispatch: the function it stands in front of
+
+
+def keras_original(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Keras's own function behind an installed dispatch (itself when none is installed), for
+    tfsmp's single-process copies: an instance of a user's `DistributedModel` subclass made
+    only to hold the gathered weights on one rank must not take the collective path."""
+    return getattr(function, _MARK, function)
 
 
 def _is_distributed(model: Any) -> bool:

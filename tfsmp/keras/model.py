@@ -360,8 +360,9 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         # it has any is the engine's check, on every rank before the first step
         if getattr(self, "optimizer", None) is None:
             raise StepError(
-                "fit needs an optimizer. Received: the model was not compiled with one. Call "
-                "model.compile(optimizer=..., loss=...) first.")
+                "fit needs a loss and an optimizer. Received: a model not compiled with an "
+                "optimizer (one whose layers add their own losses needs only the optimizer). "
+                "Call model.compile(optimizer=..., loss=...) first.")
 
     def _steps(self, entry: str, *, train: bool = False, loss: bool = False) -> TrainerSteps:
         """The step functions Keras's trainer calls, after the checks every entry point makes
