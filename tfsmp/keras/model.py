@@ -76,6 +76,13 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
     def __init__(self, model: keras.Model | Callable[[], keras.Model] | None = None,
                  *args: Any, **kwargs: Any) -> None:
+        if isinstance(model, keras.layers.Layer) and not isinstance(model, keras.Model):
+            mixed = " that mixes Keras's Trainer in" if hasattr(model, "fit") else ""
+            raise TypeError(
+                f"DistributedModel wraps a keras.Model (or a function returning one). Received: "
+                f"{type(model).__name__}, a keras Layer{mixed}, not a Model. Fix: build a model "
+                f"of it, e.g. keras.Sequential([keras.Input(shape), layer]) or a Functional "
+                f"model; a pipeline needs at least as many layers as partitions.")
         if model is not None and not isinstance(model, keras.Model):
             if callable(model):
                 with deferred_init():
