@@ -218,11 +218,11 @@ def _torch(r: dict[str, Any]) -> Figures:
         out[f"{key}.of_ideal"] = row["of_ideal"]
     for row in a["torch_rows"]:
         out[f"torch.torch.{row['torch']}.of_ideal"] = row["of_ideal"]
-    rows = {row["tfsmp"]: row for row in a["rows"]}
-    for name in ("1F1B", "zb-h1"):
-        if f"{name} taped" in rows:  # before / after, each against torch 1F1B in its rounds
-            out[f"torch.compiled_gain.{name}"] = (rows[name]["vs_1f1b"]["median"]
-                                                  / rows[f"{name} taped"]["vs_1f1b"]["median"])
+    for row in a["rows"]:  # the taped backward's step over the compiled one's, same rounds
+        if row["compiled_gain"]["n"]:
+            key = "torch.compiled_gain." + row["tfsmp"]
+            out[key] = row["compiled_gain"]["median"]
+            out[key + ".q1"], out[key + ".q3"] = row["compiled_gain"]["q1"], row["compiled_gain"]["q3"]
     return out
 
 

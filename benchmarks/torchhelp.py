@@ -12,6 +12,7 @@ Only this module imports torch; `benchmarks.bench_torch` imports it after checki
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -41,12 +42,8 @@ def setup(threads: int = 1) -> None:
     from mpi4py import MPI
 
     torch.set_num_threads(threads)
-    with_interop = getattr(torch, "set_num_interop_threads", None)
-    if with_interop is not None:
-        try:
-            with_interop(threads)
-        except RuntimeError:  # already set in this process
-            pass
+    with contextlib.suppress(RuntimeError):  # already set in this process
+        torch.set_num_interop_threads(threads)
     comm = MPI.COMM_WORLD
     port = None
     if comm.Get_rank() == 0:

@@ -92,7 +92,7 @@ from tfsmp.runtime.objective import Consts, Objective
 if TYPE_CHECKING:
     from tfsmp.graph.tracer import TracedModel
 
-__all__ = ["EvalOutput", "StageProgram", "is_differentiable"]
+__all__ = ["EvalOutput", "StageProgram", "all_finite", "is_differentiable"]
 
 
 def is_differentiable(dtype: str) -> bool:
@@ -101,16 +101,30 @@ def is_differentiable(dtype: str) -> bool:
 
 def _accumulate_into(acc: tf.Variable, g: tf.Tensor, first: bool) -> tf.Tensor:
     """``acc = g`` for the step's first microbatch, else ``acc += g`` ([Note: fresh
-    accumulators] in gradients.py); returns whether the result is finite ([Note: finite flags])."""
+    accumulators] in gradients.py); returns the accumulator's new value, whose finiteness
+    `all_finite` checks with the others' ([Note: finite flags])."""
     if first:
-        new = acc.assign(tf.cast(g, acc.dtype))
-    else:
-        new = acc.assign_add(tf.cast(g, acc.dtype))
-    return tf.reduce_all(tf.math.is_finite(new))
+        return acc.assign(tf.cast(g, acc.dtype))
+    return acc.assign_add(tf.cast(g, acc.dtype))
 
 
-def _all(flags: list[tf.Tensor]) -> tf.Tensor:
+def _dense(g: Any) -> tf.Tensor:
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def _exactly_finite(grads: list[Any]) -> tf.Tensor:
+    flags = [tf.reduce_all(tf.math.is_finite(_dense(g))) for g in grads]
     return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+def all_finite(grads: list[Any]) -> tf.Tensor:
+    """Whether every element of every tensor is finite ([Note: cheap finiteness] in
+    fused_step.py): one sum over them all, the exact element-wise test only where it is not."""
+    if not grads:
+        return tf.constant(True)
+    total = tf.add_n([tf.cast(tf.reduce_sum(_dense(g)), tf.float32) for g in grads])
+    return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True),
+                   lambda: _exactly_finite(grads))
 
 
 @dataclass
@@ -400,18 +414,18 @@ class StageProgram:
             return out, {}, {}, self.update.apply(list(grads[:n]), self.trainable)
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
         extras: dict[str, tf.Tensor] = {}
-        flags: list[tf.Tensor] = []
+        written: list[tf.Tensor] = []
         for i, (acc, g) in enumerate(zip(self.grads.accumulators, grads[:n])):
             if i in deferred_vars:
                 if g is not None:
                     extras[str(i)] = tf.convert_to_tensor(g)
             elif g is None:
-                flags.append(_accumulate_into(acc, tf.zeros_like(acc), first))
+                written.append(_accumulate_into(acc, tf.zeros_like(acc), first))
             elif isinstance(g, tf.IndexedSlices):
                 sparse[str(i)] = (tf.cast(g.values, acc.dtype), g.indices)
             else:
-                flags.append(_accumulate_into(acc, g, first))
-        return out, sparse, extras, _all(flags)
+                written.append(_accumulate_into(acc, g, first))
+        return out, sparse, extras, all_finite(written)
 
     @staticmethod
     def _unconnected(defer: bool) -> tf.UnconnectedGradients:
@@ -494,8 +508,8 @@ class StageProgram:
         return self.update.apply(grads, self.trainable)  # type: ignore[union-attr]
 
     def _accumulate_fn(self, grads: list[tf.Tensor | None], first: bool) -> tf.Tensor:
-        return _all([_accumulate_into(acc, g, first)
-                     for acc, g in zip(self.grads.accumulators, grads) if g is not None])
+        return all_finite([_accumulate_into(acc, g, first)
+                           for acc, g in zip(self.grads.accumulators, grads) if g is not None])
 
     def _weight_fn(self, xs: list[tf.Tensor], dys: list[tf.Tensor], extras: dict[str, tf.Tensor],
                    first: bool) -> tf.Tensor:
@@ -505,7 +519,7 @@ class StageProgram:
         for i, (_, g) in zip(self._deferred_vars, pairs):
             sums[i] = sums[i] + g if i in sums else g
         accs = self.grads.accumulators
-        return _all([_accumulate_into(accs[i], sums[i], first) for i in sorted(sums)])
+        return all_finite([_accumulate_into(accs[i], sums[i], first) for i in sorted(sums)])
 
     # -- split stages --------------------------------------------------------------------------
 
