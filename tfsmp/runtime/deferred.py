@@ -164,7 +164,7 @@ def _replayed(layer: Any, x: tf.Tensor, kernel: tf.Tensor, product: tf.Tensor) -
 
         return tf.identity(tf.cast(product, x.dtype)), grad
 
-    return replayed(x, kernel)  # type: ignore[no-any-return]
+    return replayed(x, kernel)
 
 
 def _base_of(layer: Any) -> type:
