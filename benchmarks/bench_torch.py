@@ -109,10 +109,10 @@ def _measure(args: dict[str, Any], label: str, arms: dict[str, Any], keras_plain
     before: list[float] = []
     theirs: dict[str, list[float]] = {name: [] for name in arms}
     plain: dict[str, list[float]] = {"keras": [], "torch": []}
-    for _ in range(args["rounds"]):
-        mine.append(fastest(lambda: tfhelp.batch_step_time(model, x, y)))
-        if taped is not None:
-            before.append(fastest(lambda: tfhelp.batch_step_time(taped, x, y)))
+    for r in range(args["rounds"]):
+        pair = [(model, mine)] + ([(taped, before)] if taped is not None else [])
+        for m, times in pair if r % 2 == 0 else pair[::-1]:  # alternate which goes first
+            times.append(fastest(lambda m=m: tfhelp.batch_step_time(m, x, y)))
         for name, arm in arms.items():
             theirs[name].append(fastest(lambda arm=arm: arm.step_time(tx, ty)))
         tfhelp.sleepy_barrier()
