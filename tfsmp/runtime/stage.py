@@ -10,9 +10,10 @@ Example::
 forward, and runs the backward and the gradients' accumulation as one compiled call: the
 forward returns the products ``x·W`` of the stage's Dense and EinsumDense calls beside its
 outputs, and the backward recomputes only what lies between them ([Note: replayed products] in
-deferred.py). Measured on 4 × Dense(1024) at microbatch 256, one thread: forward 13 ms, then
-27 ms for this backward against 31-34 ms for the taped fallback (below); the floor, one fused
-forward-backward call, 38 ms in all. The fallback, the *taped backward*, keeps an eager
+deferred.py). Measured on 4 × Dense(1024) at microbatch 256, one thread, alternating
+(`benchmarks/stage_backward.py`): forward + backward 46 ms, against 51 ms for the taped
+fallback (below) and 43 ms for the floor, one fused forward-backward call; the backward alone
+30 ms against 35 ms. The fallback, the *taped backward*, keeps an eager
 GradientTape per microbatch over the compiled forward and differentiates it with TensorFlow's
 gradient of a function call (which also computes the gradient of every input, the model's own
 included), then accumulates in a second call; a stage takes it where replaying saves nothing
@@ -32,7 +33,7 @@ trace serves every step and every microbatch size.
 
 [Note: recompute state] A recomputed forward must see the state the original forward saw:
 dropout seed-generator states, and BatchNormalization moving statistics must not be updated
-twice. Backward in memory mode therefore sets the stage's non-trainable variables to the values
+twice. A backward that recomputes (memory mode, and speed mode's replay) therefore sets the stage's non-trainable variables to the values
 they had before that microbatch's forward, recomputes, and then puts back the current values.
 
 [Note: split stages] In a zero-bubble schedule a stage with ``W`` actions runs with ``split``
@@ -65,7 +66,9 @@ no tied copy, an optimizer that updates variable by variable, no ``clipnorm``/``
 
 [Note: finite flags] Every compiled accumulation also returns whether the accumulators it wrote
 are all finite afterwards, as a tensor kept per microbatch: the check costs no extra call and no
-host synchronization per microbatch; `finite_status` reads all of a step's flags at once.
+host synchronization per microbatch; `finite_status` reads all of a step's flags at once. The
+check is one sum over the accumulators written (`all_finite`, [Note: cheap finiteness] in
+fused_step.py), the exact element-wise test only when that sum is not finite.
 """
 
 from __future__ import annotations
