@@ -75,3 +75,19 @@ def test_replayable_layers() -> None:
     assert deferred.replayable(dense)
     assert not deferred.replayable(frozen)
     assert not deferred.replayable(conv)
+
+
+def test_mixed_float16() -> None:
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _model("mha")
+        x = tf.random.stateless_normal((4, 6, 16), seed=(1, 2))
+        dy = tf.random.stateless_normal((4, 6, 16), seed=(3, 4))
+        got, found = _replayed(model, x, dy)
+        want = _reference(model, x, dy)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert found == 6
+    for g, w in zip(got, want):  # float16 compute: compare at float16's precision
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=3e-2, atol=2e-2)
