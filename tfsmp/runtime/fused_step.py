@@ -32,26 +32,9 @@ from keras.src.backend import get_keras_mask, set_keras_mask
 
 from tfsmp.errors import StepError
 from tfsmp.runtime.executor import MicroBatch, StepResult
+from tfsmp.runtime.stage import all_finite
 
-__all__ = ["OneCallStep"]
-
-
-def _dense(g: Any) -> tf.Tensor:
-    return g.values if isinstance(g, tf.IndexedSlices) else g
-
-
-def _exactly_finite(grads: list[Any]) -> tf.Tensor:
-    flags = [tf.reduce_all(tf.math.is_finite(_dense(g))) for g in grads]
-    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
-
-
-def all_finite(grads: list[Any]) -> tf.Tensor:
-    """Whether every element of every gradient is finite ([Note: cheap finiteness])."""
-    if not grads:
-        return tf.constant(True)
-    total = tf.add_n([tf.cast(tf.reduce_sum(_dense(g)), tf.float32) for g in grads])
-    return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True),
-                   lambda: _exactly_finite(grads))
+__all__ = ["OneCallStep", "all_finite"]
 
 
 class OneCallStep:
