@@ -237,10 +237,27 @@ CATALOGUE: dict[str, Bad] = {
     "not_a_keras_model": Bad(
         lambda tmp: tfsmp.DistributedModel(42), TypeError,
         r"^DistributedModel wraps a keras\.Model \(or a function returning one\)\. Received: int"),
+    "a_layer_mixing_in_the_trainer": Bad(  # Keras's trainer_test.py's ExampleModel
+        lambda tmp: tfsmp.DistributedModel(_trainer_layer(3)), TypeError,
+        r"^DistributedModel wraps a keras\.Model \(or a function returning one\)\. Received: "
+        r"_TrainerLayer, a keras Layer that mixes Keras's Trainer in, not a Model\. Fix: build "),
     "subclass_called_outside_a_step": Bad(
         lambda tmp: type("Net", (tfsmp.DistributedModel,), {})()(X), StepError,
         r"^A DistributedModel subclass may be called only inside an smp\.step function"),
 }
+
+
+
+def _trainer_layer(units: int) -> keras.layers.Layer:
+    """A layer with Keras's trainer mixed in, as trainer_test.py's ExampleModel."""
+    from keras.src.trainers.trainer import Trainer
+
+    class _TrainerLayer(Trainer, keras.layers.Dense):  # type: ignore[misc]
+        def __init__(self, units: int) -> None:
+            keras.layers.Dense.__init__(self, units=units)
+            Trainer.__init__(self)
+
+    return _TrainerLayer(units)
 
 
 @pytest.mark.parametrize("name", sorted(CATALOGUE))
