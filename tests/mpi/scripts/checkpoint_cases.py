@@ -15,7 +15,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
-from checkpoint_models import BATCH, build_mlp, build_rich, mlp_data, rich_data
+from checkpoint_models import (
+    BATCH,
+    batch_of,
+    build_mlp,
+    build_rich,
+    mlp_data,
+    reinit,
+    rel_err,
+    rich_data,
+)
 
 import tfsmp
 from tfsmp.checkpoint import BackupAndRestore, export, store
@@ -25,23 +34,19 @@ DIR = os.environ.get("TFSMP_CKPT_DIR", "/tmp/tfsmp_ckpt_cases")
 RTOL, ATOL = 1e-6, 1e-7
 
 
-def _init(**config: object) -> None:
-    if tfsmp.is_initialized():
-        tfsmp.shutdown()
-    tfsmp.init({"microbatches": 4, **config})
+_init = reinit
 
 
 def _path(*parts: str) -> str:
     return os.path.join(DIR, *parts)
 
 
-def _batch(x: np.ndarray, y: np.ndarray, i: int) -> tuple[np.ndarray, np.ndarray]:
-    return x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]
+_batch = batch_of
 
 
 def _err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    """Largest |a-b| / (ATOL + RTOL |b|): <= 1 means equal at rtol 1e-6."""
-    return max(float(np.max(np.abs(u - v) / (ATOL + RTOL * np.abs(v)))) for u, v in zip(a, b))
+    """<= 1 means equal at rtol 1e-6 (`rel_err`)."""
+    return rel_err(a, b, RTOL, ATOL)
 
 
 def _mlp_model(seed: int = 1234) -> tfsmp.DistributedModel:

@@ -49,3 +49,22 @@ def rich_data(n: int = 64) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(11)
     return (rng.normal(size=(n, 10)).astype(np.float32),
             rng.normal(size=(n, 4)).astype(np.float32))
+
+
+def reinit(**config: object) -> None:
+    """tfsmp started afresh with ``config`` (4 microbatches unless it says otherwise)."""
+    import tfsmp
+
+    if tfsmp.is_initialized():
+        tfsmp.shutdown()
+    tfsmp.init({"microbatches": 4, **config})
+
+
+def batch_of(x: np.ndarray, y: np.ndarray, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Batch ``i`` of BATCH rows."""
+    return x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]
+
+
+def rel_err(a: list[np.ndarray], b: list[np.ndarray], rtol: float, atol: float) -> float:
+    """Largest |a-b| / (atol + rtol |b|): <= 1 means equal at that tolerance."""
+    return max(float(np.max(np.abs(u - v) / (atol + rtol * np.abs(v)))) for u, v in zip(a, b))

@@ -17,7 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
-from checkpoint_models import BATCH, build_mlp, mlp_data
+from checkpoint_models import BATCH, batch_of, build_mlp, mlp_data, reinit, rel_err
 
 import tfsmp
 
@@ -25,23 +25,19 @@ DIR = os.environ.get("TFSMP_CKPT_DIR", "/tmp/tfsmp_sharded_ckpt_cases")
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _init(**config: object) -> None:
-    if tfsmp.is_initialized():
-        tfsmp.shutdown()
-    tfsmp.init({"microbatches": 4, **config})
+_init = reinit
 
 
 def _path(*parts: str) -> str:
     return os.path.join(DIR, *parts)
 
 
-def _batch(x: np.ndarray, y: np.ndarray, i: int) -> tuple[np.ndarray, np.ndarray]:
-    return x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]
+_batch = batch_of
 
 
 def _err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    """Largest |a-b| / (ATOL + RTOL |b|): <= 1 means equal at rtol 1e-5."""
-    return max(float(np.max(np.abs(u - v) / (ATOL + RTOL * np.abs(v)))) for u, v in zip(a, b))
+    """<= 1 means equal at rtol 1e-5 (`rel_err`)."""
+    return rel_err(a, b, RTOL, ATOL)
 
 
 def _model(seed: int = 1234) -> tfsmp.DistributedModel:

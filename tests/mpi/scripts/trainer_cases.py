@@ -217,13 +217,8 @@ def case_freeze_and_recompile_m2(ctx: Any) -> dict[str, Any]:
 def case_save_keras_file_m2(ctx: Any) -> dict[str, Any]:
     """model.save('m.keras') keeps compile and optimizer state: plain Keras loads it and
     evaluates (and its optimizer has the trained steps), as from plain Keras's own file."""
-    x, y = _data()
-    ref = _mlp()
-    ref.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
-    ref.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
-    dm = _pipelined(_mlp, _m(ctx), x, ctx)
-    dm.compile(**_compile(optimizer=keras.optimizers.Adam(0.01)))
-    dm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    ref, dm, x = _trained_pair(ctx)
+    _, y = _data()
     folder = ctx.world.bcast(tempfile.mkdtemp() if ctx.rank == 0 else None, root=0)
     path = os.path.join(folder, "m.keras")
     dm.save(path)
