@@ -25,7 +25,9 @@ MODELS = ["llama", "mistral", "gemma", "phi3", "bart", "t5", "vit"]
 # (an 'embedding' layer in each encoder): in CI (TFSMP_FULL_TESTS=1), to keep the default run
 # within its budget
 NEW = ["qwenmoe", "mixtral", "clip"]
-P2 = [f"case_{name}_p2" for name in MODELS + (NEW if FULL else [])] + ["case_t5_p2_m4"]
+# the default run: a decoder, an encoder-decoder and a vision model at p = 2; CI every one
+DEFAULT = ["llama", "bart", "vit"]
+P2 = [f"case_{name}_p2" for name in (MODELS + NEW if FULL else DEFAULT)] + ["case_t5_p2_m4"]
 P4 = [f"case_{name}_p4_m2" for name in MODELS]
 
 
@@ -36,8 +38,9 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def p2(refs: str) -> dict:
+    trained = sorted({case.split("_")[1] for case in P2})
     return run_cases(2, SCRIPTS / "hub_cases.py", ["case_references", *P2], timeout=900,
-                     env={"TFSMP_HUB_REF_DIR": refs})
+                     env={"TFSMP_HUB_REF_DIR": refs, "TFSMP_HUB_MODELS": ",".join(trained)})
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +70,12 @@ def test_keras_hub_model_trains_like_keras_at_p4(p4: dict, case: str) -> None:
 
 
 def _assert_ties(results: dict, suffix: str) -> None:
-    ties = {name: results[f"case_{name}{suffix}"][0]["result"]["ties"] for name in MODELS}
-    assert ties["llama"] == ties["mistral"] == ties["phi3"] == ties["vit"] == []
-    assert [len(t) for t in ties["gemma"]] == [2]
-    assert [len(t) for t in ties["bart"]] == [len(t) for t in ties["t5"]] == [3]
+    tied = {"llama": [], "mistral": [], "phi3": [], "vit": [], "gemma": [2], "bart": [3], "t5": [3]}
+    ties = {name: results[f"case_{name}{suffix}"][0]["result"]["ties"] for name in MODELS
+            if f"case_{name}{suffix}" in results}  # the default run trains some of them
+    assert any(tied[name] for name in ties), sorted(ties)  # a tied model among them
+    for name, found in ties.items():
+        assert [len(t) for t in found] == tied[name], (name, found)
 
 
 def test_ties_only_where_a_call_reads_the_variable(p2: dict) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.mpihelp import run_mpi
+from tests.mpihelp import FULL, run_mpi
 
 pytestmark = pytest.mark.mpi
 HARNESS = Path(__file__).parent / "kerasio" / "kerasio_run.py"
@@ -39,6 +39,9 @@ EXAMPLES: dict[str, tuple[str, int, bool]] = {
     "functional_api": ("plain,parity", 3, False),  # 1 capped epoch each; no "own": see above
     "timeseries_classification_from_scratch": ("own,plain,parity,unseeded", 1, True),
 }
+if not FULL:  # the default run: a convnet and a transformer; CI (TFSMP_FULL_TESTS=1) all four
+    EXAMPLES = {k: v for k, v in EXAMPLES.items()
+                if k in ("mnist_convnet", "text_classification_with_transformer")}
 
 
 @pytest.fixture(scope="module")

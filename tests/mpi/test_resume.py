@@ -187,6 +187,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_a_new_launch_resumes(
     assert not _differences(_final(tmp_path), reference)
 
 
+@pytest.mark.full  # the estimator's retry path; the default run resumes killed ranks under tfsmp run
 @pytest.mark.timeout(2 * LAUNCH_BOUND + 60)
 def test_the_estimator_retries_a_killed_rank_and_resumes_from_the_checkpoint_folder(
         tmp_path: Path, reference: dict[str, np.ndarray]) -> None:

@@ -44,6 +44,7 @@ def _final(out: Path) -> dict[str, np.ndarray]:
         return {k: f[k] for k in f.files}
 
 
+@pytest.mark.full  # 35 s; the default run relaunches a killed rank on one host (test_resume.py)
 @pytest.mark.timeout(600)
 def test_losing_a_host_relaunches_on_the_rest_with_fewer_replicas(
         hosts: netns.Cluster, tmp_path: Path) -> None:

@@ -184,8 +184,11 @@ LR = 1e-2
 
 def case_references(ctx: object) -> dict[str, float]:
     """Every model's plain Keras reference, trained once per launch across the ranks (or read
-    from ``$TFSMP_HUB_REF_DIR``, where the first launch leaves them)."""
-    specs = {name: (_seeded(build), _compile, data()) for name, (build, data) in MODELS.items()}
+    from ``$TFSMP_HUB_REF_DIR``, where the first launch leaves them); ``$TFSMP_HUB_MODELS``
+    (comma-separated) limits them to the models the launch trains."""
+    only = [m for m in os.environ.get("TFSMP_HUB_MODELS", "").split(",") if m]
+    specs = {name: (_seeded(build), _compile, data()) for name, (build, data) in MODELS.items()
+             if not only or name in only}
     return references(specs, os.environ.get("TFSMP_HUB_REF_DIR"))
 
 
