@@ -34,14 +34,10 @@ DIR = os.environ.get("TFSMP_CKPT_DIR", "/tmp/tfsmp_ckpt_cases")
 RTOL, ATOL = 1e-6, 1e-7
 
 
-_init = reinit
-
 
 def _path(*parts: str) -> str:
     return os.path.join(DIR, *parts)
 
-
-_batch = batch_of
 
 
 def _err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -64,11 +60,11 @@ def _manager(dm: tfsmp.DistributedModel, name: str, **kw: object) -> tfsmp.Check
 
 def _straight(ctx: object, pipeline: str) -> dict[str, object]:
     """6 steps in one job (p=2, d=2); rank 0 also checks them against plain Keras."""
-    _init(partitions=2, pipeline=pipeline)
+    reinit(partitions=2, pipeline=pipeline)
     x, y = mlp_data()
     dm = _mlp_model()
     for i in range(6):
-        dm.train_on_batch(*_batch(x, y, i))
+        dm.train_on_batch(*batch_of(x, y, i))
     weights = dm.get_weights()
     if tfsmp.rank() != 0:
         return {"ref_err": 0.0}
@@ -76,7 +72,7 @@ def _straight(ctx: object, pipeline: str) -> dict[str, object]:
     ref = build_mlp()
     ref.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     for i in range(6):
-        ref.train_on_batch(*_batch(x, y, i))
+        ref.train_on_batch(*batch_of(x, y, i))
     ref_err = max(float(np.max(np.abs(a - b) / (1e-6 + 1e-5 * np.abs(b))))
                   for a, b in zip(weights, ref.get_weights()))
     return {"ref_err": ref_err}
@@ -84,11 +80,11 @@ def _straight(ctx: object, pipeline: str) -> dict[str, object]:
 
 def _first_half(ctx: object, pipeline: str) -> dict[str, object]:
     """3 steps (p=2, d=2), then a checkpoint."""
-    _init(partitions=2, pipeline=pipeline)
+    reinit(partitions=2, pipeline=pipeline)
     x, y = mlp_data()
     dm = _mlp_model()
     for i in range(3):
-        dm.train_on_batch(*_batch(x, y, i))
+        dm.train_on_batch(*batch_of(x, y, i))
     path = _manager(dm, f"resume_{pipeline}").save()
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
@@ -116,12 +112,12 @@ def case_first_half_simple(ctx: object) -> dict[str, object]:
 
 def case_export_four_stages(ctx: object) -> dict[str, object]:
     """4 stages: save .keras/.weights.h5/SavedModel and a checkpoint, record the predictions."""
-    _init(partitions=4)
+    reinit(partitions=4)
     x, y = rich_data()
     dm = tfsmp.DistributedModel(build_rich())
     dm.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     for i in range(2):
-        dm.train_on_batch(*_batch(x, y, i))
+        dm.train_on_batch(*batch_of(x, y, i))
     pred = dm.predict(x, batch_size=BATCH)
     dm.save(_path("export4.keras"))
     dm.save(_path("export4.weights.h5"))
@@ -137,7 +133,7 @@ def case_export_four_stages(ctx: object) -> dict[str, object]:
 
 def _resume(ctx: object, pipeline: str) -> dict[str, object]:
     """A new job with 4 stages and 1 replica restores the p=2, d=2 checkpoint at step 0."""
-    _init(partitions=4, pipeline=pipeline)
+    reinit(partitions=4, pipeline=pipeline)
     x, y = mlp_data()
     # Other initial weights: the restore must replace them all. Built in deferred_init, so no
     # variable exists before partitioning and each rank reads only its own stages' (a built
@@ -146,7 +142,7 @@ def _resume(ctx: object, pipeline: str) -> dict[str, object]:
     dm.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     restored = _manager(dm, f"resume_{pipeline}").restore()
     for i in range(3, 6):
-        dm.train_on_batch(*_batch(x, y, i))
+        dm.train_on_batch(*batch_of(x, y, i))
     weights = dm.get_weights()
     with np.load(_path(f"straight_{pipeline}.npz")) as f:
         straight = [f[f"arr_{i}"] for i in range(len(f.files))]
@@ -168,7 +164,7 @@ def case_resume_simple(ctx: object) -> dict[str, object]:
 
 def case_restore_after_kill(ctx: object) -> dict[str, object]:
     """The job killed mid-save (p=2, d=1) left ckpt-1; restore it under p=2, d=2, save again."""
-    _init(partitions=2)
+    reinit(partitions=2)
     x, y = mlp_data()
     dm = _mlp_model(seed=5)
     manager = _manager(dm, "kill")
@@ -179,7 +175,7 @@ def case_restore_after_kill(ctx: object) -> dict[str, object]:
     with np.load(_path("kill_ckpt1.npz")) as f:
         saved = [f[f"arr_{i}"] for i in range(len(f.files))]
     exact = all(np.array_equal(a, b) for a, b in zip(dm.get_weights(), saved))
-    dm.train_on_batch(*_batch(x, y, 0))
+    dm.train_on_batch(*batch_of(x, y, 0))
     again = manager.save()
     return {"restored": restored, "exact": exact, "before": before, "again": again,
             "after": sorted(os.listdir(_path("kill"))), "checkpoints": manager.checkpoints}
@@ -187,7 +183,7 @@ def case_restore_after_kill(ctx: object) -> dict[str, object]:
 
 def case_load_pretrained_frozen(ctx: object) -> dict[str, object]:
     """Plain-Keras weights into a deferred 2-stage model with frozen layers; train; check."""
-    _init(partitions=2, microbatches=2)
+    reinit(partitions=2, microbatches=2)
     if tfsmp.rank() == 0:
         plain = build_mlp(seed=3)
         plain.save(_path("pretrained.keras"))
@@ -202,9 +198,9 @@ def case_load_pretrained_frozen(ctx: object) -> dict[str, object]:
     dm = tfsmp.DistributedModel(inner)
     dm.load_weights(_path("pretrained.keras"))  # before partitioning: applied at the first step
     dm.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
-    dm.train_on_batch(*_batch(x, y, 0))
+    dm.train_on_batch(*batch_of(x, y, 0))
     read = export.last_read()
-    dm.train_on_batch(*_batch(x, y, 1))
+    dm.train_on_batch(*batch_of(x, y, 1))
     after = dm.get_weights()
     names = [v.path for v in inner.weights]
     frozen = [i for i, n in enumerate(names) if n.split("/")[0] in ("d0", "d1")]
@@ -220,7 +216,7 @@ def case_load_pretrained_frozen(ctx: object) -> dict[str, object]:
 
 
 def case_load_mismatch_fails_everywhere(ctx: object) -> dict[str, object]:
-    _init(partitions=2, microbatches=2)
+    reinit(partitions=2, microbatches=2)
     if tfsmp.rank() == 0:
         build_mlp(seed=3, head=5).save_weights(_path("other_head.weights.h5"))
     tfsmp.barrier()
@@ -240,10 +236,10 @@ def case_load_mismatch_fails_everywhere(ctx: object) -> dict[str, object]:
 
 def case_bad_checkpoint_changes_nothing(ctx: object) -> dict[str, object]:
     """A corrupt array of the last stage only: every rank raises, no rank changes a weight."""
-    _init(partitions=2)
+    reinit(partitions=2)
     x, y = mlp_data()
     dm = _mlp_model()
-    dm.train_on_batch(*_batch(x, y, 0))
+    dm.train_on_batch(*batch_of(x, y, 0))
     path = _manager(dm, "bad").save()
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
@@ -295,7 +291,7 @@ def case_fit_backup_and_restore(ctx: object) -> dict[str, object]:
     """fit interrupted in epoch 3, resumed by a fresh model: the same weights as uninterrupted
     (dropout masks too: the seed-generator state is part of the checkpoint). One replica:
     BatchNormalization statistics are per replica, and a checkpoint keeps data rank 0's."""
-    _init(partitions=4)
+    reinit(partitions=4)
     straight = _rich_fit(21, []).get_weights()
     backup = _path("backup")
     try:
@@ -314,7 +310,7 @@ def case_fit_backup_and_restore(ctx: object) -> dict[str, object]:
 def case_model_checkpoint_callback(ctx: object) -> dict[str, object]:
     """Keras's ModelCheckpoint during fit writes plain Keras files on every rank's call (one
     replica: with several, each predicts with its own BatchNormalization statistics)."""
-    _init(partitions=4)
+    reinit(partitions=4)
     x, y = rich_data()
     dm = tfsmp.DistributedModel(build_rich())
     dm.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")

@@ -25,14 +25,10 @@ DIR = os.environ.get("TFSMP_CKPT_DIR", "/tmp/tfsmp_sharded_ckpt_cases")
 RTOL, ATOL = 1e-5, 1e-6
 
 
-_init = reinit
-
 
 def _path(*parts: str) -> str:
     return os.path.join(DIR, *parts)
 
-
-_batch = batch_of
 
 
 def _err(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -56,7 +52,7 @@ def _plain(steps: int) -> keras.Model:
     ref = build_mlp()
     ref.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     for i in range(steps):
-        ref.train_on_batch(*_batch(x, y, i))
+        ref.train_on_batch(*batch_of(x, y, i))
     return ref
 
 
@@ -66,15 +62,15 @@ def _slot_bytes(optimizer: keras.optimizers.Optimizer) -> int:
 
 def case_save_sharded(ctx: object) -> dict[str, object]:
     """p=2, d=2 sharded: 3 steps, checkpoint and weights file, 3 more steps."""
-    _init(partitions=2, shard_optimizer_state=True)
+    reinit(partitions=2, shard_optimizer_state=True)
     x, y = mlp_data()
     dm = _model()
     for i in range(3):
-        dm.train_on_batch(*_batch(x, y, i))
+        dm.train_on_batch(*batch_of(x, y, i))
     path = _manager(dm).save()
     dm.save_weights(_path("sharded3.weights.h5"))
     for i in range(3, 6):
-        dm.train_on_batch(*_batch(x, y, i))
+        dm.train_on_batch(*batch_of(x, y, i))
     weights = dm.get_weights()
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
@@ -101,7 +97,7 @@ def case_save_sharded(ctx: object) -> dict[str, object]:
 
 def case_smp_step_refuses_sharding(ctx: object) -> dict[str, object]:
     """A training smp.step applies the script's own optimizer: sharding is refused, clearly."""
-    _init(partitions=2, shard_optimizer_state=True)
+    reinit(partitions=2, shard_optimizer_state=True)
     x, y = mlp_data()
     model = tfsmp.DistributedModel(build_mlp())
 
@@ -119,12 +115,12 @@ def case_smp_step_refuses_sharding(ctx: object) -> dict[str, object]:
 
 
 def _restore(**config: object) -> dict[str, object]:
-    _init(**config)
+    reinit(**config)
     x, y = mlp_data()
     dm = _model(seed=99)  # other initial weights: the restore must replace them all
     restored = _manager(dm).restore()
     for i in range(3, 6):
-        dm.train_on_batch(*_batch(x, y, i))
+        dm.train_on_batch(*batch_of(x, y, i))
     with np.load(_path("straight.npz")) as f:
         straight = [f[f"arr_{i}"] for i in range(len(f.files))]
     return {"restored": restored, "err": _err(dm.get_weights(), straight),
