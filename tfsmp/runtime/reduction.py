@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from tfsmp.partitioning.shards import BUCKET_BYTES
 from tfsmp.runtime.buffers import aligned_empty, as_tensor, held, host_view
-from tfsmp.runtime.sharding import WeightExchange, variable_bytes
+from tfsmp.runtime.sharding import WeightExchange, buckets
 
 if TYPE_CHECKING:
     from tfsmp.comm.base import Group
@@ -56,7 +55,7 @@ class Reduction:
         reducers = self._reducers.get(key)
         if reducers is None:
             reducers = self._reducers[key] = [_FusedReducer(b, wide, self._shared)
-                                              for b in _buckets(variables)]
+                                              for b in buckets(variables)]
         for reducer in reducers:  # [Note: reduction buckets]
             flat = reducer.gather()
             with self.watch(what):
@@ -142,25 +141,6 @@ class Reduction:
             return
         if accs:
             self.sum_(accs, f"the data-parallel allreduce of stage {stage}'s gradients")
-
-
-def _buckets(variables: list[Any]) -> list[list[Any]]:
-    """[Note: reduction buckets] Consecutive groups of ``variables`` of at most `BUCKET_BYTES`
-    (a larger variable alone). One fused buffer of a rank's every gradient held its gradients
-    three times more during the reduction (the buffer, the concatenation, the scaled copy);
-    buckets, which take one shared host buffer in turn, hold a bucket's worth instead, and a
-    model of small variables still reduces in one call."""
-    out: list[list[Any]] = []
-    size = 0
-    for v in variables:
-        n = variable_bytes(v)
-        if out and size + n <= BUCKET_BYTES:
-            out[-1].append(v)
-            size += n
-        else:
-            out.append([v])
-            size = n
-    return out
 
 
 class _SharedBuffer:
