@@ -10,6 +10,9 @@ to a file or a server would write them once per rank: on a shared file system th
 to one file (Keras's `CSVLogger` test found twice its rows), elsewhere each host keeps its own
 copy. As Keras's progress bar prints on world rank 0 only, these callbacks run on world rank 0
 only; the user's object is left untouched on the other ranks (it is not called there).
+`TensorBoard` is one of them: every rank's writer put an events file of its own into the one
+log folder, and TensorBoard then draws each scalar once per rank (as tf.keras's multi-worker
+TensorBoard kept only the chief's logs). Its profiler therefore traces world rank 0's step.
 Callbacks that save the model (`ModelCheckpoint`, `BackupAndRestore`) stay on every rank: their
 saves are collective, and world rank 0 writes ([Note: Keras's saving functions] in
 tfsmp/checkpoint/keras_saving.py).
@@ -23,7 +26,8 @@ import keras
 
 __all__ = ["LOG_WRITERS", "on_this_rank"]
 
-LOG_WRITERS: tuple[type, ...] = (keras.callbacks.CSVLogger, keras.callbacks.RemoteMonitor)
+LOG_WRITERS: tuple[type, ...] = (keras.callbacks.CSVLogger, keras.callbacks.RemoteMonitor,
+                                 keras.callbacks.TensorBoard)
 
 
 def on_this_rank(callbacks: list[Any], rank: int) -> list[Any]:

@@ -79,17 +79,20 @@ def case_callbacks_act_on_every_rank(ctx: object) -> dict[str, object]:
     count = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batches.append(b))
     import tempfile
 
-    logdir = tempfile.mkdtemp(prefix=f"tb-rank{tfsmp.rank()}-")
+    # one log folder for every rank, as on a shared file system: world rank 0 alone writes
+    logdir = tfsmp.allgather(tempfile.mkdtemp(prefix="tb-") if tfsmp.rank() == 0 else None)[0]
     import atexit
     import shutil
 
-    atexit.register(shutil.rmtree, logdir, True)
+    if tfsmp.rank() == 0:
+        atexit.register(shutil.rmtree, logdir, True)
     board = keras.callbacks.TensorBoard(log_dir=logdir)
     h = dm.fit(x, y, batch_size=16, epochs=10, callbacks=[schedule, early, count, board], verbose=0)
+    tfsmp.barrier()
     events = [f for _, _, files in os.walk(logdir) for f in files if "tfevents" in f]
     return {"epochs_run": len(h.history["loss"]), "batches": len(batches),
             "lr": float(np.asarray(dm.optimizer.learning_rate)), "stopped": early.stopped_epoch,
-            "tensorboard_event_files": len(events) > 0}
+            "tensorboard_event_files": len(events)}
 
 
 def case_evaluate_and_predict_match_keras(ctx: object) -> dict[str, object]:
