@@ -3,7 +3,8 @@ gets its pid must still start ([Note: launcher start-up failures] in tfsmp/launc
 
 The stale folders are planted under every pid the next launches can get (every free one) (a private TMPDIR, so
 no other job sees them): plain `mpirun` then dies before any rank exists (the failure CI met),
-and `tfsmp run` and `fresh_session` start normally. No TensorFlow: each launch takes a second.
+and `tfsmp run` and `fresh_session` start normally, sweeping every dead launcher's folder (a
+live one's stays). No TensorFlow: each launch takes a second.
 """
 
 from __future__ import annotations
@@ -49,9 +50,14 @@ def test_a_stale_session_folder_under_the_launchers_pid_is_removed_before_it_sta
         plain.stderr
     fresh = _run(fresh_session([find_mpirun(), "-np", "1", "true"]), tmp_path)
     assert fresh.returncode == 0, fresh.stderr
+    (tmp_path / f"ompi.{os.getpid()}").mkdir()  # a live launcher's folder (this process's pid)
     job = _run([sys.executable, "-m", "tfsmp", "run", "-np", "2",
                 str(REPO_ROOT / "tests/mpi/scripts/print_ranks.py")], tmp_path)
     assert job.returncode == 0, job.stdout + job.stderr
     assert job.stdout.count('"size": 2') == 2, job.stdout
     left = {int(p.name.split(".")[1]) for p in tmp_path.glob("ompi.*")}
-    assert len(planted - left) >= 2  # the two launchers' own stale folders were removed
+    assert len(planted - left) >= 2  # the launchers' own stale folders were removed
+    # `tfsmp run` (TMPDIR is the planted folder in its environment) also swept the dead
+    # launchers' folders (all but pids some process held during the sweep), kept the live one's
+    assert os.getpid() in left
+    assert len(left) < len(planted) // 20, len(left)

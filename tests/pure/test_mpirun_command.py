@@ -14,7 +14,12 @@ from tfsmp.errors import ConfigError
 from tfsmp.launch import cli
 from tfsmp.launch.cmd_horovod import BUILD_ENV, build_env, patch_xla_sources
 from tfsmp.launch.cmd_run import parse_distribution
-from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
+from tfsmp.launch.mpirun import (
+    build_mpirun_command,
+    find_mpirun,
+    fresh_session,
+    sweep_stale_sessions,
+)
 
 PY = "/venv/bin/python"
 BINDING = ["--bind-to", "none", "--map-by", "slot"]
@@ -208,3 +213,23 @@ def test_fresh_session_removes_only_the_stale_folder_under_the_commands_own_pid(
     pid = out[0]
     assert f"ompi.{pid}" not in out and "ompi.1" in out
     assert out[-1] == "<a b><$HOME><'q'>"
+
+
+def test_sweep_removes_dead_launchers_session_folders_and_keeps_live_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    top = int(Path("/proc/sys/kernel/pid_max").read_text())
+    dead = [top + 1 + i for i in range(3)]  # beyond pid_max: no process can have these pids
+    for pid in dead:
+        (tmp_path / f"ompi.{pid}").mkdir()
+        (tmp_path / f"ompi.{pid}" / "pmix.sock").write_text("stale\n")
+    (tmp_path / f"ompi.{os.getpid()}").mkdir()  # a live launcher's
+    (tmp_path / "ompi.notapid").mkdir()         # not a session folder of a pid
+    (tmp_path / f"ompi.{top + 9}").write_text("a file, not a folder\n")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert sweep_stale_sessions() == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"ompi.{os.getpid()}", "ompi.notapid", f"ompi.{top + 9}"])
+    # fresh_session sweeps as it builds the command
+    (tmp_path / f"ompi.{dead[0]}").mkdir()
+    assert fresh_session(["mpirun", "true"])[0] == "/bin/sh"
+    assert not (tmp_path / f"ompi.{dead[0]}").exists()

@@ -34,6 +34,7 @@ __all__ = [
     "fresh_session",
     "is_root",
     "launcher_never_started",
+    "sweep_stale_sessions",
 ]
 
 CONFIG_ENV = "SM_HP_MP_PARAMETERS"
@@ -66,11 +67,42 @@ def fresh_session(argv: Sequence[str]) -> list[str]:
     """``argv`` run so that a stale Open MPI session folder under its pid is removed first.
 
     The command keeps its pid (``exec``), so signals and waits reach it unchanged; see
-    [Note: launcher start-up failures]. Harmless for commands that are not mpirun.
+    [Note: launcher start-up failures]. Harmless for commands that are not mpirun. Also sweeps
+    the folders dead launchers left (`sweep_stale_sessions`).
     """
     if os.name != "posix" or not os.path.exists("/bin/sh"):
         return list(argv)
+    sweep_stale_sessions()
     return ["/bin/sh", "-c", _FRESH_SESSION, "tfsmp-fresh-session", *argv]
+
+
+def sweep_stale_sessions() -> int:
+    """Removes this user's Open MPI session folders whose launcher no longer exists.
+
+    A killed launcher's folder stays in the temp folder for ever (dozens after a day of test
+    runs here); its pid has no process (no ``/proc/PID``), so no launcher can be using it. A
+    folder whose pid is alive is kept, whatever that process is. Without ``/proc`` nothing is
+    swept.
+
+    Returns:
+        How many folders were removed.
+    """
+    tmp = os.environ.get("TMPDIR") or os.environ.get("TEMP") or os.environ.get("TMP") or "/tmp"
+    if not os.path.isdir("/proc/self") or not os.path.isdir(tmp):
+        return 0
+    removed, me = 0, os.getuid()
+    with os.scandir(tmp) as entries:
+        for entry in entries:
+            pid = entry.name[5:] if entry.name.startswith("ompi.") else ""
+            if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+                continue
+            try:
+                if entry.is_dir(follow_symlinks=False) and entry.stat().st_uid == me:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed += 1
+            except OSError:  # gone meanwhile (another sweep)
+                continue
+    return removed
 
 
 def launcher_never_started(returncode: int | None, output: str, rank_output: str = "") -> bool:
