@@ -48,6 +48,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -131,6 +132,8 @@ def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
         # Oversubscribed ranks busy-poll in blocking waits; yielding keeps 8 ranks on 2 cores fast.
         "OMPI_MCA_mpi_yield_when_idle": "1",
         "PYTHONUNBUFFERED": "1",
+        # a timed-out job's ranks get SIGABRT first: every thread's Python stack is printed
+        "PYTHONFAULTHANDLER": "1",
     })
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
@@ -203,6 +206,9 @@ def run_mpi(np: int, argv: Sequence[str | os.PathLike[str]], *,
     job_env = base_env(env)
     if launcher == "horovodrun" and config is not None:  # horovodrun forwards the environment
         job_env["SM_HP_MP_PARAMETERS"] = json.dumps(dict(config))
+    with contextlib.suppress(ValueError, OSError):  # ranks inherit it: no core files from
+        resource.setrlimit(  # `_stacks_then_kill`'s aborts
+            resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
     for attempt in range(LAUNCH_ATTEMPTS):
         start = time.monotonic()
         proc = subprocess.Popen(fresh_session(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -210,8 +216,7 @@ def run_mpi(np: int, argv: Sequence[str | os.PathLike[str]], *,
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            out, err = proc.communicate()
+            out, err = _stacks_then_kill(proc)
             partial = Result(cmd, -9, out or "", err or "", time.monotonic() - start)
             raise MpiTimeout(f"job exceeded its {timeout:.0f} s timeout and was killed\n"
                              f"{partial.describe()}") from None
@@ -249,6 +254,24 @@ def _descendants(root: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def _stacks_then_kill(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """A timed-out job's output, with where every rank was: its ranks get SIGABRT, which
+    Python's fault handler (PYTHONFAULTHANDLER in `base_env`) answers by printing every
+    thread's stack; mpirun passes that on, then the whole group is killed. A test timeout then
+    shows where the job hung, as tfsmp's watchdog would after its (longer) stall timeout."""
+    for pid in _descendants(proc.pid):
+        with contextlib.suppress(OSError):
+            if b"python" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:
+                os.kill(pid, signal.SIGABRT)
+    try:
+        return proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return proc.communicate()
+    finally:
+        _kill_group(proc)
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from mpihelp import SCRIPTS, run_mpi
+from mpihelp import SCRIPTS, MpiTimeout, run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -37,3 +37,13 @@ def test_exception_on_rank_2_ends_a_horovodrun_job() -> None:
                   timeout=2 * LIMIT)
     assert res.returncode != 0, res.describe()
     assert "[rank 2 | pp_rank 0] RuntimeError: boom on rank 2" in res.rank_stderr.get(2, "")
+
+
+def test_a_timed_out_job_shows_where_every_rank_was() -> None:
+    # the test helpers' hard timeout prints every rank's Python stack before killing the job
+    with pytest.raises(MpiTimeout) as timed_out:
+        run_mpi(2, [SCRIPTS / "hang_rank0.py"], mpi4py_module=False, timeout=15)
+    message = str(timed_out.value)
+    assert "job exceeded its 15 s timeout" in message
+    assert 'in wait_for_ever' in message and "hang_rank0.py" in message, message
+    assert "hang_rank0.py\", line 16 in <module>" in message, message  # rank 1: the barrier
