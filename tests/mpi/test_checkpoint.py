@@ -216,6 +216,14 @@ def test_pretrained_keras_weights_load_per_rank_and_frozen_layers_stay(
     assert sum(len(r["read"]) for r in ranks) == 2 * ranks[0]["total"]  # 2 replicas
 
 
+def test_legacy_h5_weights_load_into_a_distributed_model(phase_b: dict[str, Any]) -> None:
+    # tf.keras's `.h5` through Keras's own load_weights: in order after partitioning, by layer
+    # name into a deferred model before it; Keras's own check refuses by_name for `.keras`
+    for r in _per_rank(phase_b, "case_load_pretrained_frozen"):
+        assert r["legacy_same"] and r["by_name_same"]
+        assert "`by_name` only supports loading legacy '.h5'" in r["by_name_keras"]
+
+
 def test_mismatched_weights_file_fails_on_every_rank_before_any_change(
         phase_b: dict[str, Any]) -> None:
     ranks = _per_rank(phase_b, "case_load_mismatch_fails_everywhere")

@@ -36,8 +36,8 @@ from tfsmp.checkpoint.keras_h5 import Entry, H5Layout
 from tfsmp.comm import collective_label
 from tfsmp.errors import CheckpointError
 
-__all__ = ["apply_pending", "archive_bytes", "check_overwrite", "export_model", "load_weights",
-           "save",
+__all__ = ["apply_pending", "archive_bytes", "check_overwrite", "export_model", "fresh_instance",
+           "load_weights", "save",
            "save_keras", "save_legacy_h5", "save_model", "save_weights"]
 
 _TAG = 0x7C4B  # message tag of the gather to world rank 0 (its own tag, never a pipeline one)
@@ -691,7 +691,7 @@ def _read_optimizer(dm: Any, source: str | bytes
 
 # -- SavedModel --------------------------------------------------------------------------------
 
-def _fresh_instance(source: keras.Model) -> keras.Model:
+def fresh_instance(source: keras.Model) -> keras.Model:
     """A new instance of a subclassed model's class: from its config, or (SMP's usual subclass,
     ``__init__(self)``, whose config has keys its constructor does not take) with no arguments."""
     try:
@@ -717,7 +717,7 @@ def _standalone_copy(dm: Any, weights_file: str) -> keras.Model:
         keras_file = os.path.join(os.path.dirname(weights_file), "model.keras")
         keras_h5.write_keras_archive(keras_file, source, weights_file)
         return keras.saving.load_model(keras_file, compile=False)
-    copy = _fresh_instance(source)
+    copy = fresh_instance(source)
     specs = dm.rank_view.traced.input_specs
     inputs = [keras.Input(shape=tuple(s.shape)[1:], dtype=s.dtype) for s in specs]
     args = inputs[0] if len(inputs) == 1 else inputs

@@ -33,8 +33,10 @@ compiled as the original was, with the optimizer's state loaded once it is parti
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -119,11 +121,91 @@ def save_model_to_hdf5(dm: Any, filepath: Any, overwrite: bool = True,
     export.save_legacy_h5(dm, str(os.fspath(filepath)), overwrite, include_optimizer)
 
 
+# -- legacy `.h5` weights -------------------------------------------------------------------
+# [Note: legacy h5 weights] Keras reads a legacy `.h5` file (``model.save("m.h5")`` of tf.keras
+# days) layer by layer in the model's order (or by layer name), through two functions that take
+# the open file first and the model second. A partitioned model has no such walk: its layers'
+# variables live on other ranks. So a whole single-process copy of the model (its own fresh
+# variables) takes Keras's own legacy read, and its weights then reach the `DistributedModel`
+# as a `.weights.h5` file would (each rank assigns only what it holds, now or, for variables
+# made in `deferred_init`, once partitioned). The copy holds the whole model on every rank for
+# the duration: for models beyond one rank's memory load `.weights.h5` or `.keras` files, which
+# each rank reads only its share of. Before partitioning, a model whose variables all exist
+# (not made in `deferred_init`) is read into directly, as plain Keras does.
+
+
+def _whole_copy(dm: Any) -> Any:
+    """A plain copy of ``dm``'s source model with every variable allocated."""
+    import keras
+    from keras.src.models.functional import Functional
+
+    source = dm.source_model()
+    if isinstance(source, (Functional, keras.Sequential)) and not _is_distributed(source):
+        return keras.models.clone_model(source)
+    if dm.rank_view is None:
+        raise ValueError(
+            "A subclassed DistributedModel built in `deferred_init` reads a legacy `.h5` file "
+            "once partitioned. Received: load_weights of a `.h5` file before partitioning. "
+            "Fix: call `dm.partition(x)` (or train a step) first, or load a `.weights.h5` file.")
+    copy = export.fresh_instance(source)
+    specs = dm.rank_view.traced.input_specs
+    inputs = [keras.Input(shape=tuple(s.shape)[1:], dtype=s.dtype) for s in specs]
+    copy(inputs[0] if len(inputs) == 1 else inputs)
+    return copy
+
+
+def _load_legacy(dm: Any, read: Callable[[Any], None], skip_mismatch: bool) -> None:
+    """Keras's legacy read ``read(model)`` of a `DistributedModel` ([Note: legacy h5 weights])."""
+    import tempfile
+
+    from tfsmp.graph.deferred import is_deferred
+
+    source = dm.source_model()
+    if dm.rank_view is None and not any(is_deferred(v) for v in source.weights):
+        read(source)  # before partitioning every variable is here: Keras's own read
+        return
+    copy = _whole_copy(dm)
+    read(copy)
+    folder = tempfile.mkdtemp(prefix="tfsmp-legacy-h5-")
+    weights = os.path.join(folder, "legacy.weights.h5")
+    keras_original(saving_lib.save_weights_only)(copy, weights)
+    del copy
+    if dm.rank_view is not None:  # read now: the folder goes with it
+        try:
+            export.load_weights(dm, weights, skip_mismatch=skip_mismatch)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return
+    export.load_weights(dm, weights, skip_mismatch=skip_mismatch)  # some read when partitioned
+    atexit.register(shutil.rmtree, folder, True)
+
+
+def load_weights_from_hdf5_group(f: Any, dm: Any, *args: Any, **kwargs: Any) -> None:
+    """`legacy_h5_format.load_weights_from_hdf5_group` into a `DistributedModel`."""
+    original = keras_original(legacy_h5_format.load_weights_from_hdf5_group)
+    _load_legacy(dm, lambda model: original(f, model, *args, **kwargs), skip_mismatch=False)
+
+
+def load_weights_from_hdf5_group_by_name(f: Any, dm: Any, skip_mismatch: bool = False,
+                                         *args: Any, **kwargs: Any) -> None:
+    """`legacy_h5_format.load_weights_from_hdf5_group_by_name` into a `DistributedModel`
+    (the copy's layers keep the model's names, so names match as they would in Keras)."""
+    original = keras_original(legacy_h5_format.load_weights_from_hdf5_group_by_name)
+    _load_legacy(dm, lambda model: original(f, model, skip_mismatch, *args, **kwargs),
+                 skip_mismatch=skip_mismatch)
+
+
 _DISPATCH: tuple[tuple[Any, str, Callable[..., Any]], ...] = (
     (saving_lib, "save_model", save_model),
     (saving_lib, "save_weights_only", save_weights_only),
     (saving_lib, "load_weights_only", load_weights_only),
     (legacy_h5_format, "save_model_to_hdf5", save_model_to_hdf5),
+)
+# the model is their second argument (the open file is the first)
+_DISPATCH_SECOND: tuple[tuple[Any, str, Callable[..., Any]], ...] = (
+    (legacy_h5_format, "load_weights_from_hdf5_group", load_weights_from_hdf5_group),
+    (legacy_h5_format, "load_weights_from_hdf5_group_by_name",
+     load_weights_from_hdf5_group_by_name),
 )
 
 
@@ -133,6 +215,22 @@ def _dispatch(original: Callable[..., Any], ours: Callable[..., Any]) -> Callabl
             return ours(model, *args, **kwargs)
         return original(model, *args, **kwargs)
 
+    return _as_original(dispatch, original)
+
+
+def _dispatch_second(original: Callable[..., Any], ours: Callable[..., Any]
+                     ) -> Callable[..., Any]:
+    def dispatch(first: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_distributed(model):
+            return ours(first, model, *args, **kwargs)
+        return original(first, model, *args, **kwargs)
+
+    return _as_original(dispatch, original)
+
+
+def _as_original(dispatch: Callable[..., Any], original: Callable[..., Any]
+                 ) -> Callable[..., Any]:
+    """``dispatch`` named and documented as ``original``, which `keras_original` finds."""
     dispatch.__name__ = dispatch.__qualname__ = original.__name__
     dispatch.__doc__ = original.__doc__
     setattr(dispatch, _MARK, original)
@@ -142,10 +240,11 @@ def _dispatch(original: Callable[..., Any], ours: Callable[..., Any]) -> Callabl
 def install() -> None:
     """Puts the dispatch in front of Keras's saving functions ([Note: Keras's saving
     functions]); idempotent."""
-    for module, name, ours in _DISPATCH:
-        current = getattr(module, name)
-        if getattr(current, _MARK, None) is None:
-            setattr(module, name, _dispatch(current, ours))
+    for table, wrap in ((_DISPATCH, _dispatch), (_DISPATCH_SECOND, _dispatch_second)):
+        for module, name, ours in table:
+            current = getattr(module, name)
+            if getattr(current, _MARK, None) is None:
+                setattr(module, name, wrap(current, ours))
 
 
 # -- pickling -------------------------------------------------------------------------------

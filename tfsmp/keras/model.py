@@ -592,10 +592,21 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         export.save_weights(self, filepath, overwrite=overwrite)
 
     def load_weights(self, filepath: str, skip_mismatch: bool = False, **kwargs: Any) -> None:
-        """Loads plain-Keras weights; each rank reads only its own variables."""
+        """Loads plain-Keras weights; each rank reads only its own variables.
+
+        A legacy `.h5` file, and Keras's extra arguments (``by_name``, ``objects_to_skip``), go
+        through Keras's own `load_weights` (its argument checks), whose readers tfsmp
+        dispatches ([Note: legacy h5 weights] in tfsmp/checkpoint/keras_saving.py)."""
         from tfsmp.checkpoint import export
 
-        export.load_weights(self, filepath, skip_mismatch=skip_mismatch)
+        path = str(os.fspath(filepath))
+        legacy = path.endswith((".h5", ".hdf5")) and not path.endswith(".weights.h5")
+        if legacy or kwargs:
+            from keras.src.saving import saving_api
+
+            saving_api.load_weights(self, filepath, skip_mismatch=skip_mismatch, **kwargs)
+            return
+        export.load_weights(self, path, skip_mismatch=skip_mismatch)
 
     def export(self, filepath: Any, format: str = "tf_saved_model", verbose: Any = None,
                input_signature: Any = None, **kwargs: Any) -> None:

@@ -188,6 +188,7 @@ def case_load_pretrained_frozen(ctx: object) -> dict[str, object]:
         plain = build_mlp(seed=3)
         plain.save(_path("pretrained.keras"))
         plain.save_weights(_path("pretrained.weights.h5"))
+        plain.save(_path("pretrained.h5"))  # tf.keras's legacy whole-model file
     tfsmp.barrier()
     pretrained = build_mlp(seed=3).get_weights()
     x, y = mlp_data()
@@ -210,9 +211,29 @@ def case_load_pretrained_frozen(ctx: object) -> dict[str, object]:
     second.partition(x[:BATCH])
     second.load_weights(_path("pretrained.weights.h5"))  # after partitioning: applied now
     same = all(np.array_equal(a, b) for a, b in zip(second.get_weights(), pretrained))
+    # a legacy `.h5`: after partitioning, and (by layer name) into a deferred model before it
+    legacy = tfsmp.DistributedModel(build_mlp(seed=79))
+    legacy.partition(x[:BATCH])
+    legacy.load_weights(_path("pretrained.h5"))
+    with tfsmp.deferred_init():
+        inner_by_name = build_mlp(seed=80)
+    by_name = tfsmp.DistributedModel(inner_by_name)
+    keras.saving.load_weights(by_name, _path("pretrained.h5"), by_name=True)
+    by_name.partition(x[:BATCH])
+    try:
+        by_name.load_weights(_path("pretrained.keras"), by_name=True)
+        refused = ""
+    except ValueError as e:  # Keras's own argument check
+        refused = str(e)
     return {"frozen_same": all(np.array_equal(after[i], pretrained[i]) for i in frozen),
             "head_changed": all(not np.array_equal(after[i], pretrained[i]) for i in trained),
-            "read": read, "held": held, "total": len(pretrained), "h5_same": same}
+            "read": read, "held": held, "total": len(pretrained), "h5_same": same,
+            "legacy_same": _same(legacy.get_weights(), pretrained),
+            "by_name_same": _same(by_name.get_weights(), pretrained), "by_name_keras": refused}
+
+
+def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(u, v) for u, v in zip(a, b))
 
 
 def case_load_mismatch_fails_everywhere(ctx: object) -> dict[str, object]:
