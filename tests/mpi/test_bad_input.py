@@ -34,6 +34,11 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "string_inputs": ("ValueError", r"^could not convert string to float"),
     "too_many_inputs": ("StepError", r"^The inputs must match the model's 1 inputs \['x'\]\. "
                         r"Received: 2 values \(list\)\."),
+    "ragged_inputs": ("StepError", r"^A pipelined model trains on dense tensors: .* Received: a "
+                      r"tf\.RaggedTensor as inputs \(shape \(16, None\)\)\. Fix: pad it"),
+    "optional_input_none": (
+        "StepError", r"^A pipelined model needs a value for every input: .* Received: None for "
+        r"input\(s\) \['o'\] \(optional inputs\)\. Fix: pass a tensor for them"),
     "no_targets": ("StepError", r"^The loss needs targets\. Received: y=None\. Pass y to fit\(\)"),
     "targets_batch_differs": (
         "StepError", r"^Targets and sample weights must have one row per input row\. Received: "

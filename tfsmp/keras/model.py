@@ -109,6 +109,16 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
     _live: list[weakref.ref[Any]] = []
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped model's public attributes that this model lacks (``dm.train_counter``,
+        ``dm.encoder``), as a callback's ``self.model`` finds them on the user's model in
+        plain Keras: a callback gets the `DistributedModel`. Called only when the normal lookup
+        fails; private names and a model without a wrapped one fail as usual."""
+        wrapped = self.__dict__.get("_wrapped")
+        if wrapped is None or name.startswith("_"):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return getattr(wrapped, name)
+
     @classmethod
     def _instances(cls) -> list[DistributedModel]:
         models = [r() for r in cls._live]

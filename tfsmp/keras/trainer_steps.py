@@ -53,6 +53,31 @@ def _unpack(data: Any, model: DistributedModel) -> tuple[Any, Any, Any]:
     return keras_input_rank(model.source_model(), x), y, sw
 
 
+def _no_optionals(data: Any) -> Any:
+    """Keras's TensorFlow trainer's `_autoconvert_optionals`: an empty input a generator
+    yielded (None, which Keras's adapter carries as a ``tf.experimental.Optional``) is None."""
+    return tf.nest.map_structure(
+        lambda v: None if isinstance(v, tf.experimental.Optional) else v, data)
+
+
+def _check_no_missing_inputs(model: DistributedModel, data: Any) -> None:
+    """[Note: optional inputs] A Keras input declared ``optional=True`` may be given None, and
+    the model's layers then take another path. A pipeline's stage programs are traced once with
+    every input present and send fixed-shape buffers, so a None input is refused (the same
+    batch on every rank: every rank raises alike)."""
+    x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
+    if not isinstance(x, dict | list | tuple):
+        return
+    named = x.items() if isinstance(x, dict) else enumerate(x)
+    missing = [str(k) for k, v in named if v is None]
+    if missing:
+        raise StepError(
+            f"[{model.runtime_state().tag()}] A pipelined model needs a value for every input: "
+            f"its stage programs are traced with every input present. Received: None for "
+            f"input(s) {missing} (optional inputs). Fix: pass a tensor for them (zeros of their "
+            f"shape, if the model should ignore them), or train this model with plain Keras.")
+
+
 def _agree(model: DistributedModel, batch: Any, phase: str,
            error: BaseException | None = None) -> bool:
     """[Note: replicas run out together] One small allgather before every step: whether every
@@ -137,7 +162,8 @@ class TrainerSteps:
         """The next batch every rank agrees on (None: every rank ran out)."""
         data, error = None, None
         try:
-            data = next(iterator)
+            data = _no_optionals(next(iterator))
+            _check_no_missing_inputs(self.model, data)
         except _EXHAUSTED:
             pass
         except Exception as e:  # every rank learns of it in the agreement, and stops alike

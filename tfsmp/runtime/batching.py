@@ -85,8 +85,17 @@ class Batching:
         loss would fail, and its peers would wait for it).
 
         Raises:
-            StepError: on every rank alike, before any message.
+            StepError: on every rank alike, before any message; also for ragged data.
         """
+        for what, value in (("inputs", x), ("targets", y), ("sample_weight", sample_weight)):
+            ragged = [t for t in tf.nest.flatten(value) if isinstance(t, tf.RaggedTensor)]
+            if ragged:
+                raise StepError(
+                    f"{self.rank_tag} A pipelined model trains on dense tensors: rows are split "
+                    f"into microbatches and replicas, and stages exchange fixed-shape buffers. "
+                    f"Received: a tf.RaggedTensor as {what} (shape {ragged[0].shape}). Fix: pad "
+                    f"it (`x.to_tensor()`) and mask the padding (a padding mask input or "
+                    f"keras.layers.Masking), or train this model with plain Keras.")
         b = mbatch.batch_size_of(x)
         for what, value in (("targets", y), ("sample_weight", sample_weight)):
             n = mbatch.batch_size_of(value) if value is not None else b

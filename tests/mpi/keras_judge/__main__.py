@@ -99,11 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reverse", action="store_true",
                         help="run each file's tests last to first: a second run started beside "
                              "a long one meets it halfway (--report-only then merges both)")
+    parser.add_argument("--partitions", type=int, default=runner.CONFIG["partitions"],
+                        help="pipeline stages per model (default: %(default)s); 1 runs every "
+                             "model, one-layer ones included, as 2 data-parallel replicas")
     parser.add_argument("--report-only", action="store_true",
                         help="launch nothing: report what a run left in --workdir")
     args = parser.parse_args(argv)
     groups = [runner.resolve_files([pattern]) for pattern in args.files]
     runner.REVERSE["on"] = args.reverse
+    runner.CONFIG["partitions"] = args.partitions
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tfsmp-keras-judge-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)

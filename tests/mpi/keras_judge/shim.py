@@ -261,7 +261,7 @@ def _two_stage_refusal(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
             except Exception:
                 return None  # the real call raises the same, through DistributedModel
         try:
-            tfsmp.plan(model, 2)
+            tfsmp.plan(model, tfsmp.mp_size())  # the job's partitions (the judge's --partitions)
         except Exception as e:
             if type(e).__name__ in UNWRAPPABLE:
                 return f"{type(e).__name__}: {e}"

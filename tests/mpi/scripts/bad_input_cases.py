@@ -128,6 +128,9 @@ def case_data(ctx: Any) -> dict[str, Outcome]:
             np.full((BATCH, 8), "a"), y[:BATCH]))),
         ("too_many_inputs", lambda: _outcome(dm, lambda: dm.train_on_batch(two, y[:BATCH]))),
         ("no_targets", lambda: _outcome(dm, lambda: dm.train_on_batch(x[:BATCH]))),
+        ("ragged_inputs", lambda: _outcome(dm, lambda: dm.train_on_batch(
+            tf.RaggedTensor.from_tensor(x[:BATCH], lengths=[8] * (BATCH - 1) + [7]), y[:BATCH]))),
+        ("optional_input_none", lambda: _optional_input_none(x, y)),
         ("validation_split",  # arrays only, as in Keras (tests/mpi/test_fit_parity.py)
          lambda: _outcome(dm, lambda: dm.fit(ragged, validation_split=0.2, verbose=0))),
         ("class_weight", lambda: _outcome(dm, lambda: dm.fit(
@@ -144,6 +147,22 @@ def case_data(ctx: Any) -> dict[str, Outcome]:
             batch_size="16")),
     ]
     return _run(checks)
+
+
+class _AddIfGiven(keras.layers.Layer):  # type: ignore[misc]
+    def call(self, x: Any, o: Any = None) -> Any:
+        return x if o is None else x + o
+
+
+def _optional_input_none(x: np.ndarray, y: np.ndarray) -> Outcome:
+    """A model with a Keras optional input, given None for it (Keras runs it)."""
+    x_in = keras.Input((8,), name="x")
+    o_in = keras.Input((8,), name="o", optional=True)
+    h = keras.layers.Dense(16, name="d0")(_AddIfGiven()(x_in, o_in))
+    model = keras.Model({"x": x_in, "o": o_in}, keras.layers.Dense(1, name="d1")(h))
+    dm = tfsmp.DistributedModel(model)
+    dm.compile(optimizer="sgd", loss="mse")
+    return _outcome(None, lambda: dm.fit({"x": x, "o": None}, y, batch_size=BATCH, verbose=0))
 
 
 def _run(checks: list[tuple[str, Callable[[], Outcome]]]) -> dict[str, Outcome]:
