@@ -23,6 +23,7 @@ shares the converted buffer, and the constants vectors are made once per distinc
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -237,6 +238,6 @@ def split_rows(structure: Any, sizes: list[int]) -> list[Any]:
         elif isinstance(leaf, tf.Tensor):
             per_leaf.append(tf.split(leaf, sizes, axis=0))
         else:
-            per_leaf.append([leaf[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+            per_leaf.append([leaf[a:b] for a, b in itertools.pairwise(bounds)])
     return [tree.pack_sequence_as(structure, [parts[i] for parts in per_leaf])
             for i in range(len(sizes))]
