@@ -92,8 +92,8 @@ class TrainerMetrics:
 
     def _update_losses(self, result: Any, rows: int) -> None:
         """The loss tracker's and each output's loss Mean's update with this step's values, in
-        one compiled call (as Keras's train step updates them in its graph; eagerly, their ops
-        cost several milliseconds a step: [Note: step overheads] in docs/performance.md)."""
+        one compiled call (as Keras's train step updates them in its graph; run eagerly, their
+        ops cost about a millisecond of a step's Python)."""
         metrics = [self.model.loss_tracker(), *self.model.compiled_loss_metrics()]
         values = [result.loss, *result.term_values][:len(metrics)]
         if any(v is None for v in values):
