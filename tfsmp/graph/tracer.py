@@ -196,7 +196,8 @@ class TracedModel:
         """
         flat = self.flatten_inputs(x)
         wanted = None if keys is None else set(keys)
-        return {k: (self._convert(v, spec) if wanted is None or k in wanted
+        return {k: (self._convert(v, spec)
+                    if (wanted is None or k in wanted) or not _dense_host(v)
                     else _adjust_rank_numpy(np.asarray(v), spec))
                 for k, v, spec in zip(self.input_keys, flat, self.input_specs)}
 
@@ -272,6 +273,11 @@ class TracedModel:
             if is_float(value.dtype) and is_float(dtype) and value.dtype != dtype:
                 value = keras.ops.cast(value, dtype)
         return _adjust_rank(value, spec)
+
+
+def _dense_host(value: Any) -> bool:
+    """Whether ``value`` is a dense array NumPy can view (not a sparse or ragged tensor)."""
+    return isinstance(value, (np.ndarray, list, tuple, tf.Tensor))  # not sparse, not ragged
 
 
 def _adjust_rank_numpy(value: np.ndarray, spec: Any) -> np.ndarray:
