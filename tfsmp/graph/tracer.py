@@ -185,15 +185,21 @@ class TracedModel:
         end = len(self.variable_order)
         return sorted(found.values(), key=lambda v: self.variable_order.get(id(v), end))
 
-    def pack_inputs(self, x: Any) -> dict[str, Any]:
+    def pack_inputs(self, x: Any, keys: Iterable[str] | None = None) -> dict[str, Any]:
         """The user's ``x`` (tensor, list, tuple, or dict by input name) -> ``{input key: tensor}``,
-        converted as ``model(x)`` converts it.
+        converted as ``model(x)`` converts it. With ``keys``, only those inputs become tensors;
+        the others stay NumPy arrays of the shape conversion gives (no copy where ``x`` already
+        is one: a rank whose stages do not read an input only needs its shape).
 
         Raises:
             StepError: if ``x`` does not match the model's inputs.
         """
         flat = self.flatten_inputs(x)
-        return {k: self._convert(v, spec) for k, v, spec in zip(self.input_keys, flat, self.input_specs)}
+        wanted = None if keys is None else set(keys)
+        return {k: (self._convert(v, spec)
+                    if (wanted is None or k in wanted) or not _dense_host(v)
+                    else _adjust_rank_numpy(np.asarray(v), spec))
+                for k, v, spec in zip(self.input_keys, flat, self.input_specs)}
 
     def pack_outputs(self, values: Iterable[Any], masks: Iterable[Any] | None = None) -> Any:
         """Flat output values (in `output_keys` order) -> the structure ``model(x)`` returns.
@@ -267,6 +273,21 @@ class TracedModel:
             if is_float(value.dtype) and is_float(dtype) and value.dtype != dtype:
                 value = keras.ops.cast(value, dtype)
         return _adjust_rank(value, spec)
+
+
+def _dense_host(value: Any) -> bool:
+    """Whether ``value`` is a dense array NumPy can view (not a sparse or ragged tensor)."""
+    return isinstance(value, (np.ndarray, list, tuple, tf.Tensor))  # not sparse, not ragged
+
+
+def _adjust_rank_numpy(value: np.ndarray, spec: Any) -> np.ndarray:
+    """`_adjust_rank` of a NumPy array, as a view."""
+    rank, ref = value.ndim, tuple(spec.shape)
+    if rank == len(ref) + 1 and value.shape[-1] == 1:
+        return value[..., 0]
+    if rank == len(ref) - 1 and ref and ref[-1] == 1:
+        return value[..., None]
+    return value
 
 
 def _adjust_rank(value: Any, spec: Any) -> Any:

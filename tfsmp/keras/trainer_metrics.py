@@ -24,6 +24,7 @@ the same metric state, and it is Keras's state for the whole global batch:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -77,17 +78,33 @@ class TrainerMetrics:
     def __init__(self, model: Any) -> None:
         self.model = model
         self._update_fn: Any = None
+        self._loss_fn: Any = None  # `_update_losses`'s compiled call, for the metrics of
+        self._loss_key: tuple[int, ...] = ()
 
     def after_step(self, view: Any, result: Any, x: Any, y: Any, sw: Any) -> dict[str, Any]:
         """Updates every metric with the step that just ran; returns Keras's logs."""
         model = self.model
         rows = mbatch.batch_size_of(x)
-        model.loss_tracker().update_state(result.loss, sample_weight=rows)
-        for metric, value in zip(model.compiled_loss_metrics(), result.term_values):
-            metric.update_state(value, sample_weight=rows)
+        self._update_losses(result, rows)
         self._update_compiled(view, result, y, sw)
         logs: dict[str, Any] = model.get_metrics_result()
         return logs
+
+    def _update_losses(self, result: Any, rows: int) -> None:
+        """The loss tracker's and each output's loss Mean's update with this step's values, in
+        one compiled call (as Keras's train step updates them in its graph; run eagerly, their
+        ops cost about a millisecond of a step's Python)."""
+        metrics = [self.model.loss_tracker(), *self.model.compiled_loss_metrics()]
+        values = [result.loss, *result.term_values][:len(metrics)]
+        if any(v is None for v in values):
+            for metric, value in zip(metrics, values):
+                metric.update_state(value, sample_weight=rows)
+            return
+        key = tuple(id(m) for m in metrics[:len(values)])
+        if self._loss_key != key:
+            self._loss_key = key
+            self._loss_fn = tf.function(functools.partial(_update_means, metrics[:len(values)]))
+        self._loss_fn(tf.constant(values, tf.float32), tf.constant(rows, tf.float32))
 
     def _update_compiled(self, view: Any, result: Any, y: Any, sw: Any) -> None:
         compiled = self.model.compiled_metrics_object()
@@ -172,3 +189,8 @@ def _same_error(kind: str, message: str) -> Exception:
         return cls(message)
     return StepError(f"The last stage's rank failed updating the compiled metrics. Received: "
                      f"{kind}: {message}")
+
+
+def _update_means(metrics: list[Any], values: tf.Tensor, rows: tf.Tensor) -> None:
+    for j, metric in enumerate(metrics):
+        metric.update_state(values[j], sample_weight=rows)

@@ -92,6 +92,10 @@ def _agree(model: DistributedModel, batch: Any, phase: str,
     """
     state = model.runtime_state()
     world = state.comm.world
+    if world.size == 1:  # one rank agrees with itself: no digest, no collective
+        if error is not None:
+            raise error
+        return batch is not None
     failed = None if error is None else f"{type(error).__name__}: {error}".splitlines()[0]
     mine = (phase, batch is not None, None if batch is None else batch_digest(batch), failed)
     with collective_label("the per-step batch agreement", api=False):

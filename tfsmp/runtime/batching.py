@@ -12,10 +12,19 @@ microbatches a step has and the constants every program needs for its share of t
 ([Note: loss numerators] in objective.py) are decided here, the same way on every rank.
 Microbatches and replica shares may be of any sizes (np.array_split's), so any batch size
 trains, and so does an epoch's partial last batch.
+
+[Note: what a rank converts] A step's head runs on every rank before its first action, and on
+the first stage's rank it is on the critical path. So a rank converts only what its stages
+read: the model inputs its stages take (the others stay NumPy arrays, views of the batch, whose
+shapes the boundary shapes still follow), and the targets and sample weights only where the
+loss is computed. Each converted array is split into microbatches by one ``tf.split``, which
+shares the converted buffer, and the constants vectors are made once per distinct value.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +42,7 @@ if TYPE_CHECKING:
     from tfsmp.graph.tracer import TracedModel
     from tfsmp.runtime.objective import Objective
 
-__all__ = ["Batching", "StepShape", "to_tensors"]
+__all__ = ["Batching", "StepShape", "split_rows", "to_tensors"]
 
 
 @dataclass(frozen=True)
@@ -62,13 +71,19 @@ class Batching:
     """Global batch -> this replica's microbatches. See the module docstring."""
 
     def __init__(self, traced: TracedModel, *, data_rank: int, data_size: int,
-                 microbatches: int, rank_tag: str) -> None:
+                 microbatches: int, rank_tag: str, reads: Iterable[str] | None = None,
+                 labels: bool = True) -> None:
+        """``reads``: the input keys this rank's stages read (None: all); ``labels``: whether
+        one of them computes the loss ([Note: what a rank converts])."""
         self.traced = traced
         self.data_rank = data_rank
         self.data_size = data_size
         self.m = microbatches
         self.rank_tag = rank_tag
+        self.reads = None if reads is None else frozenset(reads)
+        self.needs_labels = labels
         self._outputs: ShapeResolver | None = None
+        self._consts: dict[bytes, tf.Tensor] = {}  # [Note: what a rank converts]
 
     def step_shape(self, rows: int, microbatches: int | None = None) -> StepShape:
         """How a global batch of ``rows`` splits over replicas and microbatches, the same on
@@ -129,23 +144,33 @@ class Batching:
         """This replica's microbatches of a global batch, with their constants: a training
         step's (``objective`` given) carry the loss terms' too; inference's only the rows,
         `Consts.TERMS` long, so one trace serves predict before and after training."""
-        packed = {k: tf.convert_to_tensor(v) for k, v in self.traced.pack_inputs(x).items()}
-        self.check_inputs_packed(packed)  # the batch is converted once, then sliced
-        mine = (packed, y, sample_weight)
+        packed = self.traced.pack_inputs(x, self.reads)
+        self.check_inputs_packed(packed)  # the batch is converted once, then split
+        labels = self.needs_labels
+        mine = (packed, to_tensors(y) if labels else None,
+                to_tensors(sample_weight) if labels else None)
         if shape.my_rows != shape.rows:
             mine = mbatch.take_rows(mine, shape.start, shape.stop)
+        sizes = mbatch.split_sizes(shape.my_rows, shape.microbatches)
+        xs, ys, ws = (split_rows(part, sizes) for part in mine)
         out = []
-        start = 0
-        for size in mbatch.split_sizes(shape.my_rows, shape.microbatches):
-            xi, yi, wi = mbatch.take_rows(mine, start, start + size)
-            start += size
+        for xi, yi, wi, size in zip(xs, ys, ws, sizes):
             consts = (objective.constants(rows=shape.rows, rows_mb=size,
                                           sample_weight=sample_weight, scale=scale,
                                           parts=shape.parts) if objective is not None
                       else np.array([shape.rows, size, scale, 1.0], np.float32))
-            out.append(MicroBatch(xi, to_tensors(yi), to_tensors(wi), size=size,
-                                  consts=tf.constant(consts)))
+            out.append(MicroBatch(xi, yi, wi, size=size, consts=self._constant(consts)))
         return out
+
+    def _constant(self, values: np.ndarray) -> tf.Tensor:
+        """The constants vector as a tensor, made once per distinct value."""
+        key = values.tobytes()
+        found = self._consts.get(key)
+        if found is None:
+            if len(self._consts) > 256:  # sample weights' normalizers vary batch to batch
+                self._consts.clear()
+            found = self._consts[key] = tf.constant(values)
+        return found
 
     def given_microbatches(self, inputs: list[dict[str, Any]]) -> list[MicroBatch]:
         """`smp.step`'s microbatches, split by the script: ``inputs[i]`` by tensor key."""
@@ -204,3 +229,24 @@ def to_tensors(structure: Any) -> Any:
     if structure is None:
         return None
     return tree.map_structure(tf.convert_to_tensor, structure)
+
+
+def split_rows(structure: Any, sizes: list[int]) -> list[Any]:
+    """``structure`` cut into consecutive pieces of ``sizes`` rows: tensors by one ``tf.split``
+    each (along the first axis TensorFlow shares the buffer: no copy), NumPy arrays as views."""
+    if structure is None:
+        return [None] * len(sizes)
+    if len(sizes) == 1:
+        return [structure]
+    leaves = tree.flatten(structure)
+    bounds = np.cumsum([0, *sizes])
+    per_leaf = []
+    for leaf in leaves:
+        if leaf is None:
+            per_leaf.append([None] * len(sizes))
+        elif isinstance(leaf, tf.Tensor):
+            per_leaf.append(tf.split(leaf, sizes, axis=0))
+        else:
+            per_leaf.append([leaf[a:b] for a, b in itertools.pairwise(bounds)])
+    return [tree.pack_sequence_as(structure, [parts[i] for parts in per_leaf])
+            for i in range(len(sizes))]

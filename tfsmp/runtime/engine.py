@@ -122,8 +122,11 @@ class Engine:
                                group=comm.pipeline, xla=bool(config.xla), rank_tag=rank_tag,
                                counted=self._counted_here, owned=owned, exchange_group=comm.data,
                                clip_group=comm.world, watch=_watched)
+        # [Note: what a rank converts] in batching.py
         self.batching = Batching(traced, data_rank=comm.data.rank, data_size=comm.data.size,
-                                 microbatches=config.microbatches, rank_tag=rank_tag)
+                                 microbatches=config.microbatches, rank_tag=rank_tag,
+                                 reads={k for p in self.programs.values() for k in p.input_keys},
+                                 labels=any(p.is_last for p in self.programs.values()))
         self.reduction = Reduction(comm.data, horovod=horovod, watch=_watched)
         self.executors = Executors(schedules, self.programs, plan, comm.pipeline, self.placement,
                                    num_ranks=config.partitions, rank_tag=rank_tag,

@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from tfsmp.errors import StepError
 
-__all__ = ["GradientState", "GradientStore", "SparsePart", "combine_parts"]
+__all__ = ["GradientState", "GradientStore", "SparsePart", "all_finite", "combine_parts"]
 
 SparsePart = tuple[Any, Any]  # (values, indices) of one tf.IndexedSlices gradient
 CONCAT, SUM = "concat", "sum"
@@ -71,6 +71,25 @@ def combine_parts(parts: list[SparsePart], rule: str, what: str = "") -> SparseP
     return total, tf.convert_to_tensor(parts[0][1])
 
 
+def _dense(g: Any) -> tf.Tensor:
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def _exactly_finite(grads: list[Any]) -> tf.Tensor:
+    flags = [tf.reduce_all(tf.math.is_finite(_dense(g))) for g in grads]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+def all_finite(grads: list[Any]) -> tf.Tensor:
+    """Whether every element of every tensor is finite ([Note: cheap finiteness] in
+    fused_step.py): one sum over them all, the exact element-wise test only where it is not."""
+    if not grads:
+        return tf.constant(True)
+    total = tf.add_n([tf.cast(tf.reduce_sum(_dense(g)), tf.float32) for g in grads])
+    return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True),
+                   lambda: _exactly_finite(grads))
+
+
 class GradientStore:
     """A stage's gradient storage that outlives steps: its accumulators (one variable per
     trainable, reused by every step) and the sparse rules measured once ([Note: sparse
@@ -85,6 +104,14 @@ class GradientStore:
         if accumulate:
             self.ensure_accumulators()
         self.rules: dict[int, str] = {}  # sparse variable index -> CONCAT | SUM
+        self._check = tf.function(all_finite)  # [Note: finite flags] in stage.py
+
+    def written_finite(self, sparse: frozenset[int]) -> bool:
+        """Whether every accumulator a step wrote is finite (one compiled sum over them): all
+        but placeholders ([Note: weights at the step's end]) and ``sparse`` variables'."""
+        accs = [a for i, (a, v) in enumerate(zip(self.accumulators, self.trainable))
+                if i not in sparse and tuple(a.shape) == tuple(v.shape)]
+        return bool(self._check(accs)) if accs else True
 
     def ensure_accumulators(self, skip: frozenset[int] = frozenset()) -> None:
         """One accumulator per trainable variable, keeping those that exist; a variable of
@@ -130,7 +157,10 @@ class GradientState:
         self.fresh_w = True  # the same for a split stage's deferred half ([Note: split stages])
         self._parts: dict[int, dict[int, SparsePart]] = {}  # variable -> microbatch -> part
         self.sparse: dict[int, SparsePart] = {}  # the step's combined sparse gradients
-        self._flags: list[tuple[int, tf.Tensor]] = []  # [Note: finite flags] in stage.py
+        # [Note: finite flags] in stage.py: exact per-microbatch verdicts (the taped fallback's,
+        # a direct update's) and hints (whether a microbatch's inputs were finite)
+        self._flags: list[tuple[int, tf.Tensor]] = []
+        self._hints: list[tuple[int, tf.Tensor]] = []
         self.collected: dict[int, list[Any]] = {}  # [Note: collect mode] in stage.py
         self.losses: dict[int, tf.Tensor] = {}  # microbatch -> the stage's layer losses
 
@@ -158,6 +188,9 @@ class GradientState:
 
     def add_flag(self, microbatch: int, flag: tf.Tensor) -> None:
         self._flags.append((microbatch, flag))
+
+    def add_hint(self, microbatch: int, flag: tf.Tensor) -> None:
+        self._hints.append((microbatch, flag))
 
     def add_sparse(self, microbatch: int, parts: dict[str, SparsePart]) -> None:
         """Keeps microbatch ``microbatch``'s sparse gradients (``{str(index): (values, indices)}``,
@@ -219,17 +252,30 @@ class GradientState:
         return ("dense", self.accumulators[i].numpy())
 
     def finite_status(self) -> tuple[bool, int | None]:
-        """(whether every accumulation was finite, the first microbatch after which one was not)
-        from the compiled code's flags, read at once; sparse parts are checked here too."""
+        """(whether the step's gradients are finite, the first microbatch to blame: -1 when
+        none can be named) ([Note: finite flags] in stage.py); sparse parts are checked here
+        too."""
         ok = all(bool(tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(v))))
                  for v, _ in self.sparse.values())
-        if not self._flags:
+        wrote = not (self.fresh and self.fresh_w)
+        dense_ok = self._store.written_finite(frozenset(self.sparse)) if wrote else True
+        bad = _failed(self._flags)
+        if bad is None and dense_ok:
             return ok, None
-        values = tf.stack([f for _, f in self._flags]).numpy()
-        if values.all():
-            return ok, None
-        return False, min(i for (i, _), good in zip(self._flags, values) if not good)
+        if bad is None:
+            bad = _failed(self._hints)
+        return False, -1 if bad is None else bad
 
     def variable_name(self, i: int) -> str:
         v = self.trainable[i]
         return f"'{getattr(v, 'path', None) or v.name}'"
+
+
+def _failed(flags: list[tuple[int, tf.Tensor]]) -> int | None:
+    """The first microbatch whose flag is False (flags read at once), or None."""
+    if not flags:
+        return None
+    values = tf.stack([f for _, f in flags]).numpy()
+    if values.all():
+        return None
+    return min(i for (i, _), good in zip(flags, values) if not good)

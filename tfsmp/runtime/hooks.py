@@ -60,7 +60,9 @@ class StageResult:
 
     stage: int
     finite: bool
-    first_nonfinite: int | None  # first microbatch after which an accumulator was not finite
+    # the first microbatch to blame for non-finite gradients (-1: none can be named, [Note:
+    # finite flags] in stage.py), None when they are finite
+    first_nonfinite: int | None
     grads: GradientState
 
 

@@ -109,7 +109,9 @@ class StepReport:
         """The one message of a step with non-finite values, naming where they appeared."""
         grads = {s: i for r in self.ranks for s, i in r.first_nonfinite.items()}
         mbs = sorted({i for r in self.ranks for i in r.bad_microbatches})
-        where = ", ".join(f"stage {s} from microbatch {i}" for s, i in sorted(grads.items()))
+        where = ", ".join(f"stage {s} from microbatch {i}" if i >= 0 else
+                          f"stage {s} (every microbatch's inputs were finite)"
+                          for s, i in sorted(grads.items()))
         return (
             f"{rank_tag} Non-finite values at step {step}: loss of microbatch(es) "
             f"{mbs or 'none'} on the last stage; gradients of {where or 'no stage'}. "

@@ -64,11 +64,18 @@ normalization) keep accumulators. The engine uses it where it would update direc
 microbatch count ([Note: direct update] in memory.py: one replica, one unsplit stage per rank,
 no tied copy, an optimizer that updates variable by variable, no ``clipnorm``/``clipvalue``).
 
-[Note: finite flags] Every compiled accumulation also returns whether the accumulators it wrote
-are all finite afterwards, as a tensor kept per microbatch: the check costs no extra call and no
-host synchronization per microbatch; `finite_status` reads all of a step's flags at once. The
-check is one sum over the accumulators written (`all_finite`, [Note: cheap finiteness] in
-fused_step.py), the exact element-wise test only when that sum is not finite.
+[Note: finite flags] Whether a step's gradients are finite is checked once per stage and step,
+when the step's result is taken (`GradientState.finite_status`): one sum over every accumulator
+the step wrote (`all_finite`, [Note: cheap finiteness] in fused_step.py; the exact element-wise
+test only when that sum is not finite). Accumulating keeps a non-finite value non-finite (NaN
+stays NaN, inf + -inf is NaN), so the sum at the step's end sees any microbatch's. Per
+microbatch, each compiled backward only returns whether that microbatch's own inputs (model
+inputs, received tensors and received gradients, and the stage's layer losses) were finite: a
+sum over tensors a fraction of the weights' size, kept as a tensor and read only on a bad step,
+to name the first microbatch whose inputs were not (a stage that overflowed on finite inputs
+is named without one). Before, every accumulation summed every accumulator it wrote: m reads
+of the stage's gradients per step instead of one. The taped fallback and direct updates keep
+their exact per-microbatch flags.
 """
 
 from __future__ import annotations
@@ -87,7 +94,7 @@ from tfsmp.partitioning.memory import late_weights_pay
 from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime import deferred
 from tfsmp.runtime import layer_losses as ll
-from tfsmp.runtime.gradients import CONCAT, SUM, GradientStore
+from tfsmp.runtime.gradients import CONCAT, SUM, GradientStore, all_finite
 from tfsmp.runtime.hooks import StageResult, StepMode
 from tfsmp.runtime.memory import DirectUpdate
 from tfsmp.runtime.objective import Consts, Objective
@@ -111,23 +118,11 @@ def _accumulate_into(acc: tf.Variable, g: tf.Tensor, first: bool) -> tf.Tensor:
     return acc.assign_add(tf.cast(g, acc.dtype))
 
 
-def _dense(g: Any) -> tf.Tensor:
-    return g.values if isinstance(g, tf.IndexedSlices) else g
-
-
-def _exactly_finite(grads: list[Any]) -> tf.Tensor:
-    flags = [tf.reduce_all(tf.math.is_finite(_dense(g))) for g in grads]
-    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
-
-
-def all_finite(grads: list[Any]) -> tf.Tensor:
-    """Whether every element of every tensor is finite ([Note: cheap finiteness] in
-    fused_step.py): one sum over them all, the exact element-wise test only where it is not."""
-    if not grads:
-        return tf.constant(True)
-    total = tf.add_n([tf.cast(tf.reduce_sum(_dense(g)), tf.float32) for g in grads])
-    return tf.cond(tf.math.is_finite(total), lambda: tf.constant(True),
-                   lambda: _exactly_finite(grads))
+def _inputs_finite(tensors: list[Any]) -> tf.Tensor:
+    """Whether every floating-point tensor among a microbatch's inputs, received tensors and
+    received gradients is finite: only which microbatch to name on a bad step ([Note: finite
+    flags])."""
+    return all_finite([t for t in tensors if t is not None and t.dtype.is_floating])
 
 
 @dataclass
@@ -398,14 +393,16 @@ class StageProgram:
         return targets, grads
 
     def _split_grads(self, grads: list[Any], recv: list[tf.Tensor], collect: bool = False,
-                     first: bool = False, defer: bool = False
+                     first: bool = False, defer: bool = False,
+                     inputs_ok: tf.Tensor | None = None
                      ) -> tuple[list[tf.Tensor], Any, Any, tf.Tensor]:
         """Accumulates dense weight gradients (``first``: assigns them, [Note: fresh
         accumulators]) except deferred ones ([Note: split stages]); returns gradients for every
         received boundary, the sparse ones as ``{str(variable index): (values, indices)}`` (with
         ``collect``: the list of all weight gradients of this microbatch instead), B's
         gradients of deferred variables (``{str(index): gradient}``, only those another op
-        reads) and the finite flag of the accumulators written."""
+        reads) and ``inputs_ok``, the microbatch's inputs' flag ([Note: finite flags]; a
+        direct update's own flag instead)."""
         n = len(self.trainable)
         deferred_vars = self._deferred if defer else frozenset()
         out = [tf.zeros_like(r) for r in recv]
@@ -417,18 +414,17 @@ class StageProgram:
             return out, {}, {}, self.update.apply(list(grads[:n]), self.trainable)
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
         extras: dict[str, tf.Tensor] = {}
-        written: list[tf.Tensor] = []
         for i, (acc, g) in enumerate(zip(self.grads.accumulators, grads[:n])):
             if i in deferred_vars:
                 if g is not None:
                     extras[str(i)] = tf.convert_to_tensor(g)
             elif g is None:
-                written.append(_accumulate_into(acc, tf.zeros_like(acc), first))
+                _accumulate_into(acc, tf.zeros_like(acc), first)
             elif isinstance(g, tf.IndexedSlices):
                 sparse[str(i)] = (tf.cast(g.values, acc.dtype), g.indices)
             else:
-                written.append(_accumulate_into(acc, g, first))
-        return out, sparse, extras, all_finite(written)
+                _accumulate_into(acc, g, first)
+        return out, sparse, extras, tf.constant(True) if inputs_ok is None else inputs_ok
 
     @staticmethod
     def _unconnected(defer: bool) -> tf.UnconnectedGradients:
@@ -478,7 +474,9 @@ class StageProgram:
         for v, c in zip(self.non_trainable, current):
             v.assign(c)
         k = len(self.trainable) + len(self._diff_recv)
-        split = self._split_grads(grads[:k], recv, collect, first, defer=slots is not None)
+        inputs_ok = _inputs_finite([*inputs, *recv, *dys, layer_loss])
+        split = self._split_grads(grads[:k], recv, collect, first, defer=slots is not None,
+                                  inputs_ok=inputs_ok)
         if slots is None:
             return split
         return (*split, rec.xs, _zeros_for_none(grads[k:], slots))  # type: ignore[union-attr]
@@ -495,7 +493,8 @@ class StageProgram:
         grads = tape.gradient(scaled, self._sources(recv, slots),
                               unconnected_gradients=self._unconnected(slots is not None))
         k = len(self.trainable) + len(self._diff_recv)
-        split = self._split_grads(grads[:k], recv, first=first, defer=slots is not None)
+        split = self._split_grads(grads[:k], recv, first=first, defer=slots is not None,
+                                  inputs_ok=_inputs_finite([*inputs, *recv, layer_loss]))
         record = (_stack(terms.numerators), _stack(terms.normalizers), layer_loss)
         masks = _masks_of(outputs)
         if slots is None:
@@ -522,7 +521,9 @@ class StageProgram:
         for i, (_, g) in zip(self._deferred_vars, pairs):
             sums[i] = sums[i] + g if i in sums else g
         accs = self.grads.accumulators
-        return all_finite([_accumulate_into(accs[i], sums[i], first) for i in sorted(sums)])
+        for i in sorted(sums):  # checked at the step's end ([Note: finite flags])
+            _accumulate_into(accs[i], sums[i], first)
+        return tf.constant(True)
 
     # -- split stages --------------------------------------------------------------------------
 
@@ -709,10 +710,18 @@ class StageProgram:
             self.grads.collected[i] = list(extra)
             return list(recv_grads)
         self._keep_sparse(i, extra, st.inputs, st.recv, st.consts)
-        self.grads.add_flag(i, flag)
+        self._add_flag(i, flag)
         if slots is not None:
             self._defer(i, result[4], result[5], extras)
         return list(recv_grads)
+
+    def _add_flag(self, i: int, flag: tf.Tensor) -> None:
+        """A compiled backward's flag: a direct update's verdict, else the microbatch's
+        inputs' ([Note: finite flags])."""
+        if self.update is not None:
+            self.grads.add_flag(i, flag)
+        else:
+            self.grads.add_hint(i, flag)
 
     def _backward_taped(self, i: int, st: _Stash, dys: list[tf.Tensor]) -> list[tf.Tensor]:
         slots = st.slots or []
@@ -761,7 +770,7 @@ class StageProgram:
         if work is None or self._deferred_layers is None:
             return
         extras = {str(k): g for k, g in work.extras.items()}
-        self.grads.add_flag(i, self._weight(work.xs, work.dys, extras, self.grads.take_fresh_w()))
+        self._weight(work.xs, work.dys, extras, self.grads.take_fresh_w())
 
     def forward_backward_last(self, i: int, inputs: list[tf.Tensor], recv: list[tf.Tensor],
                               y: Any, sample_weight: Any, consts: tf.Tensor
@@ -774,7 +783,7 @@ class StageProgram:
         result = self._fused(inputs, recv, y, sample_weight, consts, self.grads.take_fresh(), slots)
         record, outputs, masks, (recv_grads, sparse, extras, flag) = result[:4]
         self._keep_sparse(i, sparse, inputs, recv, consts)
-        self.grads.add_flag(i, flag)
+        self._add_flag(i, flag)
         self.grads.losses[i] = record[2]
         if slots is not None:
             self._defer(i, result[4], result[5], extras)
