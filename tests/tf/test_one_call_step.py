@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -103,6 +104,19 @@ def test_non_finite_step_raises_or_skips_without_changing_any_variable() -> None
         assert dm._engine.skipped_steps == 1 and int(dm.optimizer.iterations) == 1
         dm.train_on_batch(x[16:], y[16:])
         assert not all(np.array_equal(a, b) for a, b in zip(before, dm.get_weights()))
+        # a fit with Keras's TerminateOnNaN applies the non-finite update, as plain Keras does
+        _init()
+        dm = _mlp()
+        ref = cases.build("mlp")
+        ref.set_weights(dm.get_weights())
+        ref.compile(optimizer=cases.optimizer_of(True), loss="mse")
+        data = (x[:32], np.concatenate([y[:16], bad_y]))
+        for model in (dm, ref):
+            model.fit(*data, batch_size=16, shuffle=False, verbose=0,
+                      callbacks=[keras.callbacks.TerminateOnNaN()])
+        assert int(dm.optimizer.iterations) == int(ref.optimizer.iterations) == 2
+        assert all(np.array_equal(a, b, equal_nan=True)
+                   for a, b in zip(ref.get_weights(), dm.get_weights()))
     finally:
         smp.shutdown()
 

@@ -67,7 +67,8 @@ class OneCallStep:
             call.run(env, training=True)
         return [env[k] for k in prog.output_keys]
 
-    def _step_fn(self, inputs: list[tf.Tensor], y: Any, sample_weight: Any, consts: tf.Tensor
+    def _step_fn(self, inputs: list[tf.Tensor], y: Any, sample_weight: Any, consts: tf.Tensor,
+                 always: tf.Tensor
                  ) -> tuple[tf.Tensor, tf.Tensor, list[tf.Tensor], list[Any], tf.Tensor, tf.Tensor]:
         trainable = self.program.trainable
         with tf.GradientTape() as tape:
@@ -84,7 +85,9 @@ class OneCallStep:
             self.optimizer.apply_gradients(zip(ordered, self.variables))
             return tf.constant(True)
 
-        tf.cond(tf.logical_and(loss_ok, grads_ok), apply, lambda: tf.constant(False))
+        # ``always``: nonfinite="apply" (a fit with TerminateOnNaN) updates as plain Keras does
+        tf.cond(tf.logical_or(always, tf.logical_and(loss_ok, grads_ok)), apply,
+                lambda: tf.constant(False))
         numerators = tf.stack([tf.cast(n, tf.float32) for n in terms.numerators])
         normalizers = tf.stack([tf.cast(d, tf.float32) for d in terms.normalizers])
         masks = [get_keras_mask(t) for t in outputs]
@@ -99,7 +102,7 @@ class OneCallStep:
                 changed), worded as the executor path's [Note: consistent skips].
         """
         inputs = [mb.inputs[k] for k in self.program.input_keys]
-        args = (inputs, mb.y, mb.sample_weight, mb.consts)
+        args = (inputs, mb.y, mb.sample_weight, mb.consts, tf.constant(nonfinite == "apply"))
         if tracer is None:
             n, d, outputs, masks, loss_ok, grads_ok = self._fn(*args)
         else:  # one span: the compiled call holds forward, backward and the optimizer step
@@ -117,7 +120,7 @@ class OneCallStep:
         result.loss = self.objective.total(result.term_values)
         loss_ok, grads_ok = bool(loss_ok), bool(grads_ok)
         if (loss_ok and grads_ok) or nonfinite in ("skip", "apply"):
-            return result, loss_ok and grads_ok
+            return result, (loss_ok and grads_ok) or nonfinite == "apply"
         where = "no stage" if grads_ok else f"stage {self.program.stage} from microbatch 0"
         raise StepError(
             f"{self.rank_tag} Non-finite values at step {step_number}: loss of microbatch(es) "
