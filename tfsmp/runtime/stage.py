@@ -79,6 +79,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import tensorflow as tf
 from keras.src.backend import get_keras_mask, set_keras_mask
 
@@ -100,6 +101,27 @@ __all__ = ["EvalOutput", "StageProgram", "all_finite", "is_differentiable"]
 
 def is_differentiable(dtype: str) -> bool:
     return dtype in ("float16", "bfloat16", "float32", "float64")
+
+
+def _replicas_rows(group: Any, xs: list[tf.Tensor], dys: list[tf.Tensor],
+                   extras: dict[str, tf.Tensor]
+                   ) -> tuple[list[tf.Tensor], list[tf.Tensor], dict[str, tf.Tensor]]:
+    """[Note: late weights across replicas] Every replica's rows of the step's saved linear
+    inputs and pre-activation gradients, in data-rank order, and the sum of their other
+    gradient parts (``extras``): one allgather. A replica without rows sends none."""
+    mine = ([np.asarray(x) for x in xs], [np.asarray(d) for d in dys],
+            {k: np.asarray(v) for k, v in extras.items()})
+    every = [g for g in group.allgather_obj(mine) if g[0]]
+    if not every:
+        return xs, dys, extras
+    calls = len(every[0][0])
+    xs = [tf.constant(np.concatenate([g[0][k] for g in every], 0)) for k in range(calls)]
+    dys = [tf.constant(np.concatenate([g[1][k] for g in every], 0)) for k in range(calls)]
+    summed: dict[str, Any] = {}
+    for g in every:
+        for k, v in g[2].items():
+            summed[k] = summed[k] + v if k in summed else v
+    return xs, dys, {k: tf.constant(v) for k, v in summed.items()}
 
 
 def _accumulate_into(acc: tf.Variable, g: tf.Tensor, first: bool) -> tf.Tensor:
@@ -245,6 +267,7 @@ class StageProgram:
         self._late_decided = False
         self._late_fn: Any = None
         self._late_owner: DirectUpdate | None = None
+        self._late_mine: tuple[int, ...] = ()  # the trainable variables the late update takes
         self._late_specs: list[tuple[Any, Any]] = []
 
     @property
@@ -286,11 +309,14 @@ class StageProgram:
             self.late = False
         self._store.ensure_accumulators(self._deferred if self.late else frozenset())
 
-    def apply_late(self, update: DirectUpdate, factor: float) -> bool:
+    def apply_late(self, update: DirectUpdate, factor: float, group: Any = None,
+                   owned: set[int] | None = None) -> bool:
         """The step's update of this stage's variables, each linear layer's weight gradient
         computed for the whole batch from every microbatch's saved inputs and pre-activation
         gradients ([Note: weights at the step's end]); returns whether every gradient was
-        finite (a variable whose gradient is not is left as it was)."""
+        finite (a variable whose gradient is not is left as it was). ``group`` (the stage's
+        data-parallel replicas) and ``owned`` (ids of the variables this replica updates):
+        [Note: late weights across replicas]."""
         works = [self._weight_work.pop(i) for i in sorted(self._weight_work)]
         calls = len(self._deferred_layers or [])
         xs = [tf.concat([w.xs[k] for w in works], 0) for k in range(calls)] if works else []
@@ -299,10 +325,15 @@ class StageProgram:
         for w in works:
             for i, g in w.extras.items():
                 extras[str(i)] = extras[str(i)] + g if str(i) in extras else g
+        if group is not None and group.size > 1:
+            xs, dys, extras = _replicas_rows(group, xs, dys, extras)
         sparse = {str(i): part for i, part in self.grads.sparse.items()}
-        if self._late_fn is None or self._late_owner is not update:
+        mine = tuple(i for i, v in enumerate(self.trainable) if owned is None or id(v) in owned)
+        if not mine:
+            return True
+        if self._late_fn is None or self._late_owner is not update or self._late_mine != mine:
             self._late_fn = tf.function(self._late_update_fn, reduce_retracing=True)
-            self._late_owner = update
+            self._late_owner, self._late_mine = update, mine
         return bool(self._late_fn(xs, dys, extras, sparse, tf.constant(factor, tf.float32)))
 
     def _late_update_fn(self, xs: list[tf.Tensor], dys: list[tf.Tensor],
@@ -335,11 +366,12 @@ class StageProgram:
             return g * tf.cast(factor, g.dtype)
 
         makers: list[Callable[[], Any]] = []
-        for i in range(len(self.trainable)):
+        for i in self._late_mine:
             kind = (deferred_grad if i in self._deferred else
                     sparse_grad if str(i) in sparse else dense_grad)
             makers.append(lambda i=i, kind=kind: kind(i))  # type: ignore[misc]
-        return update.apply_computed(makers, self.trainable)  # type: ignore[union-attr]
+        return update.apply_computed(  # type: ignore[union-attr]
+            makers, [self.trainable[i] for i in self._late_mine])
 
     def set_objective(self, objective: Objective | None) -> None:
         """Trains with another compiled loss from now on: the fused last stage traces anew."""
