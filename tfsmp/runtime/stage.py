@@ -64,6 +64,19 @@ normalization) keep accumulators. The engine uses it where it would update direc
 microbatch count ([Note: direct update] in memory.py: one replica, one unsplit stage per rank,
 no tied copy, an optimizer that updates variable by variable, no ``clipnorm``/``clipvalue``).
 
+[Note: late weights across replicas] With d > 1 data-parallel replicas a variable's gradient is
+the sum over the replicas' rows, which the reduction used to take from an accumulator per
+variable (so every replica held a full set of gradients all step: at p=4 x d=2 with sharded
+optimizer state, 64 MiB per Dense(4096) layer beside 64 of weights and 64 of Adam slots). A
+linear layer's gradient is ``Xᵀ·dY`` over all rows though, so at the step's end each replica
+gathers every replica's saved inputs and pre-activation gradients (one allgather of a few KiB
+to MiB, in data-rank order: `_replicas_rows`) and computes the whole batch's gradient itself
+inside its update, as one process would. Replicas compute on the same gathered values, so
+they update alike; with sharded optimizer state only a variable's owner updates it and the
+weight exchange gives the others its values ([Note: weight exchange] in sharding.py). Other
+variables keep accumulators and the reduction. `RunPlan.late_possible` allows it at any
+microbatch count when d > 1; `late_weights_pay` decides with the whole batch's rows.
+
 [Note: finite flags] Every compiled accumulation also returns whether the accumulators it wrote
 are all finite afterwards, as a tensor kept per microbatch: the check costs no extra call and no
 host synchronization per microbatch; `finite_status` reads all of a step's flags at once. The
