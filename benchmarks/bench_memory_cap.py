@@ -153,9 +153,12 @@ def _model_rows(name: str, args: dict[str, Any]) -> dict[str, Any]:
         if p * d >= 8 and not _room_for(p * d, MODELS[name]["cap"]):
             rows.append({"p": p, "d": d, "skipped": "not enough free memory on this machine"})
             continue
-        if d > 1:  # [Note: sharded capacity]: a full search, from p x plain's upward
-            largest, trials = _largest(name, p, p * plain, {**args, "d": d})
-            rows.append({"p": p, "d": d, "sharded": True, "largest": largest,
+        if d > 1:  # [Note: sharded capacity]: searched from the memory model's largest
+            start = launch(1, "bench_memory_cap", "predicted_largest",
+                           {"model": name, "p": p, "d": d, "from": p * plain,
+                            "microbatches": args["microbatches"]}, timeout=900)["largest"]
+            largest, trials = _largest(name, p, start, {**args, "d": d})
+            rows.append({"p": p, "d": d, "sharded": True, "largest": largest, "predicted": start,
                          "ratio": largest / (p * plain), "trials": trials, "lower_bound": False})
             continue
         goal = int(-(-GOAL * p * plain // 1))  # ceil(0.95 p plain): the depth the goal needs
@@ -287,6 +290,35 @@ def trial(args: dict[str, Any]) -> dict[str, Any]:
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     peaks = tfhelp.world().gather(peak_bytes() or 0, root=0)
     return {"peaks": peaks} if peaks is not None else {}
+
+
+def predicted_largest(args: dict[str, Any]) -> dict[str, Any]:
+    """One process, no job: the largest depth from ``args["from"]`` up that the memory model
+    (`predict_memory`) says fits the cap at p x d with sharded optimizer state, Adam."""
+    from benchmarks import tfhelp
+
+    tfhelp.setup_threads()
+    from tfsmp.config import load_config
+    from tfsmp.graph import costs
+    from tfsmp.graph.tracer import trace
+    from tfsmp.partitioning.memory import fits, predict_memory, settings_of
+    from tfsmp.runtime.setup import make_plan
+
+    name, p, d = args["model"], args["p"], args["d"]
+    batch, cap = MODELS[name]["batch"], MODELS[name]["cap"]
+    cfg = load_config({"partitions": p, "microbatches": args["microbatches"],
+                       "optimize": "memory", "shard_optimizer_state": d > 1}, world_size=p * d)
+    x, _, _ = _data(name, batch)
+    largest, depth = 0, max(int(args["from"]), p)
+    while depth < 8 * int(args["from"]):
+        traced = trace(_build(name, depth), sample_input=x)
+        costs.resolve_dims(traced, costs.input_shapes(traced, x))
+        plan = make_plan(traced, cfg, "adam", step_samples=batch, data_parallel=d)
+        if not fits(predict_memory(plan, traced.graph, settings_of(cfg, "adam", batch // d, d)),
+                    cap):
+            break
+        largest, depth = depth, depth + 1
+    return {"largest": largest or int(args["from"])}
 
 
 def _ckpt_model(args: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
