@@ -170,10 +170,11 @@ def _model_rows(name: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _room_for(p: int, cap: int) -> bool:
-    """Whether this host has ``p`` caps of memory available now (MemAvailable) and 0.5 GiB more."""
+    """Whether this host has ``p`` caps of memory available now (MemAvailable; the ranks stay
+    below their caps, so p caps is what the job can take at most)."""
     with open("/proc/meminfo") as f:
         info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info.get("MemAvailable", 0) >= p * cap + 2**29
+    return info.get("MemAvailable", 0) >= p * cap
 
 
 def _largest(name: str, p: int, start: int, args: dict[str, Any],
