@@ -68,7 +68,8 @@ def run(quick: bool) -> dict[str, Any]:
         if os.environ.get(env):
             args[key] = [kind(v) for v in os.environ[env].split(",")]
             part = True
-    rows = [compare(model, pipe, {**args, "microbatches": m, "shard": bool(sh)})
+    bases: dict[str, int] = {}  # one baseline per model and run
+    rows = [compare(model, pipe, {**args, "microbatches": m, "shard": bool(sh)}, bases)
             for sh in args["sharded"] for model in args["models"]
             for pipe in args["pipelines"] for m in args["microbatches"]]
     out = {"rows": rows, "settings": args}
@@ -100,8 +101,11 @@ def _kept(new: dict[str, Any]) -> dict[str, Any]:
     return new
 
 
-def compare(model: str, pipeline: str, args: dict[str, Any]) -> dict[str, Any]:
-    """Predicts, then measures, one (model, pipeline); returns both per rank."""
+def compare(model: str, pipeline: str, args: dict[str, Any],
+            bases: dict[str, int] | None = None) -> dict[str, Any]:
+    """Predicts, then measures, one (model, pipeline); returns both per rank. ``bases``: the
+    baselines measured so far in this run, by model (measured once per model)."""
+    bases = {} if bases is None else bases
     shard = bool(args.get("shard"))
     replicas = 2 if shard else 1  # [Note: sharded grid]
     config = {"partitions": args["partitions"], "microbatches": args["microbatches"],
@@ -112,8 +116,11 @@ def compare(model: str, pipeline: str, args: dict[str, Any]) -> dict[str, Any]:
         # the smaller of two: a cgroup is charged for the library pages its process reads
         # first, so a launch after the page cache was emptied (a memory-heavy job before)
         # measured 997 MB against 264 MB for the same empty rank (CI-only test, 2026-12-05)
-        base = min(launch(1, "bench_memory_model", "baseline", {"model": model}, timeout=300,
-                          memory_per_rank=UNCAPPED)["peak"] for _ in range(2))
+        if model not in bases:
+            bases[model] = min(launch(1, "bench_memory_model", "baseline", {"model": model},
+                                      timeout=300, memory_per_rank=UNCAPPED)["peak"]
+                               for _ in range(2))
+        base = bases[model]
         spec = {"model": model, "config": config, "plan_file": plan_file, "replicas": replicas}
         predicted = launch(1, "bench_memory_model", "predict", {**spec, "baseline": base},
                            timeout=900)
