@@ -169,12 +169,21 @@ def _model_rows(name: str, args: dict[str, Any]) -> dict[str, Any]:
             "plain_trials": plain_trials, "rows": rows}
 
 
-def _room_for(p: int, cap: int) -> bool:
-    """Whether this host has ``p`` caps of memory available now (MemAvailable; the ranks stay
-    below their caps, so p caps is what the job can take at most)."""
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info.get("MemAvailable", 0) >= p * cap
+def _room_for(p: int, cap: int, wait: float = 300.0) -> bool:
+    """Whether this host has ``p`` caps of memory available (MemAvailable; the ranks stay below
+    their caps, so p caps is what the job can take at most), asking every 10 s for up to
+    ``wait`` seconds (others' jobs come and go)."""
+    import time
+
+    deadline = time.monotonic() + wait
+    while True:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        if info.get("MemAvailable", 0) >= p * cap:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(10)
 
 
 def _largest(name: str, p: int, start: int, args: dict[str, Any],
