@@ -110,6 +110,8 @@ def _kept(new: dict[str, Any]) -> dict[str, Any]:
     if "checkpoint" not in new and "checkpoint" in old:
         new["checkpoint"] = {**old["checkpoint"], "measured": old["checkpoint"].get("measured", when)}
     new["settings"]["merged"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    if "note" in old.get("settings", {}):  # what the kept rows were measured with
+        new["settings"]["note"] = old["settings"]["note"]
     return new
 
 
