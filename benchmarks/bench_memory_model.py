@@ -94,7 +94,7 @@ def _kept(new: dict[str, Any]) -> dict[str, Any]:
     except (OSError, KeyError, ValueError):
         return new
     done = {row_key(r) for r in new["rows"]}
-    new["rows"] += [{**r, "measured": r.get("measured", when),
+    new["rows"] += [{**r, "measured_at": r.get("measured_at", when),
                      "m": r.get("m", old.get("settings", {}).get("microbatches", 0))}
                     for r in old.get("rows", []) if row_key(r) not in done]
     new["settings"]["merged"] = time.strftime("%Y-%m-%d %H:%M:%S")
