@@ -35,8 +35,9 @@ it holds at once during a step:
   state is the busiest replica's share of its layers' slots, split as the runtime splits
   variables (`tfsmp.partitioning.shards`, layers standing for their variables), about 1/d;
   the weight exchange after the step adds `EXCHANGE_COPIES` buckets to its buffers
-  (`tfsmp.partitioning.shards.exchange_bytes`). Accumulators stay whole: every replica
-  holds the gradient of every variable after the reduction. With d > 1 (sharded or not) the
+  (`tfsmp.partitioning.shards.exchange_bytes`). Accumulators that remain (non-linear
+  variables, or where late weights do not pay) stay whole: every replica holds the gradient of
+  every such variable after the reduction. With d > 1 (sharded or not) the
   gradient sums hold one shared bucket-sized host buffer ([Note: reduction buckets] in
   tfsmp/runtime/reduction.py).
 - *buffers*, host memory outside TensorFlow's allocator: every message of a step has its own
