@@ -166,6 +166,7 @@ def _memory_model(r: dict[str, Any]) -> Figures:
             worst(f"memory_model.{row['pipeline']}.m{row['m']}{tail}.worst_pct", pct)
         if tail:
             worst("memory_model.sharded.worst_pct", pct)
+        worst(f"memory_model.{row['model']}.worst_pct", pct)
         worst("memory_model.worst_pct", pct)
     return out
 
