@@ -11,6 +11,12 @@ plan (``partition_file``) for a few steps, each in a memory cgroup of its own
 is measured first, as a rank that imports what the script imports and holds no model (248 MiB
 here; keras_hub adds about 45). The figure is predicted / measured per rank; the goal is every
 rank within ±10%.
+
+[Note: sharded grid] ``TFSMP_BENCH_SHARDED`` adds the data-parallel axis: ``1`` runs every row
+at p x d = 2 x 2 (4 ranks) with ``shard_optimizer_state`` on, ``0,1`` both (the default: off).
+The global batch is the same, so each replica trains half of it. A run that names a part
+(models, pipelines, microbatch counts, sharding) keeps the last run's other rows from
+``benchmarks/results.json``, with the time they were measured.
 """
 
 from __future__ import annotations
@@ -46,44 +52,90 @@ def settings(quick: bool) -> dict[str, Any]:
     pipelines = ["interleaved", "simple", "zb-h1"]
     return {"models": ["dense", "gpt2", "resnet50"], "pipelines": pipelines, "partitions": 2,
             "microbatches": [4] if quick else [1, 2, 4, 8], "optimize": "memory",
-            "steps": 2 if quick else 3}
+            "steps": 2 if quick else 3, "sharded": [0]}
 
 
 def run(quick: bool) -> dict[str, Any]:
-    """Every (model, pipeline, microbatch count); ``TFSMP_BENCH_MODELS``,
-    ``TFSMP_BENCH_PIPELINES`` and ``TFSMP_BENCH_MICROBATCHES`` (comma-separated) run a part."""
+    """Every (model, pipeline, microbatch count, sharding); ``TFSMP_BENCH_MODELS``,
+    ``TFSMP_BENCH_PIPELINES``, ``TFSMP_BENCH_MICROBATCHES`` and ``TFSMP_BENCH_SHARDED``
+    (comma-separated) run a part ([Note: sharded grid])."""
     args = settings(quick)
+    part = False
     for key, env, kind in (("models", "TFSMP_BENCH_MODELS", str),
                            ("pipelines", "TFSMP_BENCH_PIPELINES", str),
-                           ("microbatches", "TFSMP_BENCH_MICROBATCHES", int)):
+                           ("microbatches", "TFSMP_BENCH_MICROBATCHES", int),
+                           ("sharded", "TFSMP_BENCH_SHARDED", int)):
         if os.environ.get(env):
             args[key] = [kind(v) for v in os.environ[env].split(",")]
-    rows = [compare(model, pipe, {**args, "microbatches": m}) for model in args["models"]
+            part = True
+    bases: dict[str, int] = {}  # one baseline per model and run
+    rows = [compare(model, pipe, {**args, "microbatches": m, "shard": bool(sh)}, bases)
+            for sh in args["sharded"] for model in args["models"]
             for pipe in args["pipelines"] for m in args["microbatches"]]
-    return {"rows": rows, "settings": args}
+    out = {"rows": rows, "settings": args}
+    return _kept(out) if part else out
 
 
-def compare(model: str, pipeline: str, args: dict[str, Any]) -> dict[str, Any]:
-    """Predicts, then measures, one (model, pipeline); returns both per rank."""
+def row_key(row: dict[str, Any]) -> tuple[str, str, int, bool]:
+    """What tells a row apart: (model, pipeline, microbatches, sharded)."""
+    return row["model"], row["pipeline"], row.get("m", 0), bool(row.get("sharded"))
+
+
+def _kept(new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` with the rows of the last run (benchmarks/results.json) it did not redo."""
+    import time
+
+    from benchmarks.common import REPO_ROOT
+
+    try:
+        entry = json.loads((REPO_ROOT / "benchmarks" / "results.json").read_text()
+                           )["benchmarks"][NAME]
+        old, when = entry["result"], entry.get("started", "")
+    except (OSError, KeyError, ValueError):
+        return new
+    done = {row_key(r) for r in new["rows"]}
+    new["rows"] += [{**r, "measured_at": r.get("measured_at", when),
+                     "m": r.get("m", old.get("settings", {}).get("microbatches", 0))}
+                    for r in old.get("rows", []) if row_key(r) not in done]
+    new["settings"]["merged"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return new
+
+
+def compare(model: str, pipeline: str, args: dict[str, Any],
+            bases: dict[str, int] | None = None) -> dict[str, Any]:
+    """Predicts, then measures, one (model, pipeline); returns both per rank. ``bases``: the
+    baselines measured so far in this run, by model (measured once per model)."""
+    bases = {} if bases is None else bases
+    shard = bool(args.get("shard"))
+    replicas = 2 if shard else 1  # [Note: sharded grid]
     config = {"partitions": args["partitions"], "microbatches": args["microbatches"],
-              "pipeline": pipeline, "optimize": args["optimize"]}
+              "pipeline": pipeline, "optimize": args["optimize"],
+              "shard_optimizer_state": shard}
     with tempfile.TemporaryDirectory() as tmp:
         plan_file = os.path.join(tmp, "plan.json")
         # the smaller of two: a cgroup is charged for the library pages its process reads
         # first, so a launch after the page cache was emptied (a memory-heavy job before)
         # measured 997 MB against 264 MB for the same empty rank (CI-only test, 2026-12-05)
-        base = min(launch(1, "bench_memory_model", "baseline", {"model": model}, timeout=300,
-                          memory_per_rank=UNCAPPED)["peak"] for _ in range(2))
-        spec = {"model": model, "config": config, "plan_file": plan_file}
+        if model not in bases:
+            bases[model] = min(launch(1, "bench_memory_model", "baseline", {"model": model},
+                                      timeout=300, memory_per_rank=UNCAPPED)["peak"]
+                               for _ in range(2))
+        base = bases[model]
+        spec = {"model": model, "config": config, "plan_file": plan_file, "replicas": replicas}
         predicted = launch(1, "bench_memory_model", "predict", {**spec, "baseline": base},
                            timeout=900)
-        measured = launch(args["partitions"], "bench_memory_model", "train",
+        measured = launch(args["partitions"] * replicas, "bench_memory_model", "train",
                           {**spec, "config": {**config, "partition_file": plan_file},
                            "steps": args["steps"]},
                           timeout=1200, threads=1, memory_per_rank=UNCAPPED)
-    ratios = [p["total"] / m["peak"] for p, m in zip(predicted["ranks"], measured["ranks"])]
+    # every replica of a pipeline rank is predicted alike (ranks are pipeline-major per replica:
+    # world rank = data rank x p + pipeline rank)
+    ranks = measured["ranks"]
+    pred = [predicted["ranks"][r["pipeline_rank"]] for r in ranks]
+    ratios = [p["total"] / m["peak"] for p, m in zip(pred, ranks)]
     return {"model": model, "pipeline": pipeline, "m": args["microbatches"], "baseline": base,
-            "predicted": predicted["ranks"], "measured": measured["ranks"], "ratios": ratios}
+            "sharded": shard, "d": replicas, "predicted": pred, "measured": ranks,
+            "ratios": ratios}
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -156,20 +208,23 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     from tfsmp.partitioning.memory import MemorySettings, predict_memory
     from tfsmp.runtime.setup import make_plan
 
-    name, cfg = args["model"], load_config(args["config"], world_size=args["config"]["partitions"])
+    d = int(args.get("replicas", 1))
+    name = args["model"]
+    cfg = load_config(args["config"], world_size=args["config"]["partitions"] * d)
     model = build(name)
     batch = MODELS[name]["batch"]
     x, _, _ = data(name, batch)
     traced = trace(model, sample_input=x)
     costs.resolve_dims(traced, costs.input_shapes(traced, x))
     costs.measure_activations(traced, _rows(x, 2))
-    plan = make_plan(traced, cfg, None, step_samples=batch)
+    plan = make_plan(traced, cfg, None, step_samples=batch, data_parallel=d)
     with open(args["plan_file"], "w") as f:
         f.write(plan.to_json())
     ranks = predict_memory(plan, traced.graph, MemorySettings(
         partitions=cfg.partitions, microbatches=cfg.microbatches, pipeline=cfg.pipeline,
-        virtual_stages=cfg.chunks, batch_size=batch, optimize=cfg.optimize, optimizer="adam",
-        baseline=int(args["baseline"])))
+        virtual_stages=cfg.chunks, batch_size=batch // d, data_parallel=d,
+        optimize=cfg.optimize, optimizer="adam", baseline=int(args["baseline"]),
+        shard_optimizer_state=bool(cfg.shard_optimizer_state)))
     ops = [sum(traced.graph.nodes[n].ops for n in plan.layers(s)) for s in range(plan.num_stages)]
     linear = [sum(traced.graph.nodes[n].linear_bytes for n in plan.layers(s))
               for s in range(plan.num_stages)]
@@ -202,7 +257,8 @@ def train(args: dict[str, Any]) -> dict[str, Any]:
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     mine = {"peak": peak_bytes() or 0,
             "tf_peak": int(tf.config.experimental.get_memory_info("CPU:0")["peak"]),
-            "stage_layers": len(model.plan.layers(smp.mp_rank()))}
+            "stage_layers": len(model.plan.layers(smp.mp_rank())),
+            "pipeline_rank": smp.mp_rank(), "data_rank": smp.dp_rank()}
     if os.environ.get("TFSMP_DEBUG_SMAPS"):
         mine["smaps"] = _smaps()
     ranks = tfhelp.world().gather(mine, root=0)
@@ -248,16 +304,18 @@ def _mib(n: float) -> str:
 
 def summarize(result: dict[str, Any]) -> list[str]:
     s = result["settings"]
-    lines = [f"p = {s['partitions']}, optimize {s['optimize']}, Adam, "
+    lines = [f"p = {s['partitions']} (x d = 2 replicas where sharded), optimize {s['optimize']}, Adam, "
              f"{s['steps']} steps; MiB; predicted = baseline + weights + optimizer + "
              "accumulators + buffers + activations.", "",
-             "| model | pipeline | m | rank | predicted | measured | predicted / measured | "
-             "weights | optimizer | accumulators | activations |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in result["rows"]:
+             "| model | pipeline | m | d (sharded) | rank | predicted | measured | "
+             "predicted / measured | weights | optimizer | accumulators | activations |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in sorted(result["rows"], key=row_key):
         mb = row.get("m", s["microbatches"])
+        dp = f"{row['d']} (sharded)" if row.get("sharded") else str(row.get("d", 1))
         for r, (p, m) in enumerate(zip(row["predicted"], row["measured"])):
-            lines.append(f"| {row['model']} | {row['pipeline']} | {mb} | {r} | {_mib(p['total'])} | "
+            lines.append(f"| {row['model']} | {row['pipeline']} | {mb} | {dp} | {r} | "
+                         f"{_mib(p['total'])} | "
                          f"{_mib(m['peak'])} | {p['total'] / m['peak']:.3f} | "
                          f"{_mib(p['weights'])} | {_mib(p['optimizer'])} | "
                          f"{_mib(p['accumulators'])} | {_mib(p['activations'])} |")

@@ -147,12 +147,27 @@ def _reduction(r: dict[str, Any]) -> Figures:
 
 
 def _memory_model(r: dict[str, Any]) -> Figures:
+    """Worst |predicted / measured - 1| in percent: per (model, pipeline) over its unsharded
+    rows, per row (``.mM``, ``.sharded``), per (pipeline, m, sharding) over the models, and
+    over everything (``memory_model.worst_pct``)."""
     out: Figures = {}
+
+    def worst(key: str, value: float) -> None:
+        out[key] = max(out.get(key, 0.0), value)
+
     for row in r["rows"]:
-        key = f"memory_model.{row['model']}.{row['pipeline']}" + (
-            f".m{row['m']}" if "m" in row else "")
-        out[f"{key}.worst_pct"] = 100 * max(abs(x - 1.0) for x in row["ratios"])
-    out["memory_model.worst_pct"] = max(out.values(), default=0.0)
+        pct = 100 * max(abs(x - 1.0) for x in row["ratios"])
+        tail = ".sharded" if row.get("sharded") else ""
+        if not tail:
+            worst(f"memory_model.{row['model']}.{row['pipeline']}.worst_pct", pct)
+        if "m" in row:
+            worst(f"memory_model.{row['model']}.{row['pipeline']}.m{row['m']}{tail}.worst_pct",
+                  pct)
+            worst(f"memory_model.{row['pipeline']}.m{row['m']}{tail}.worst_pct", pct)
+        if tail:
+            worst("memory_model.sharded.worst_pct", pct)
+        worst(f"memory_model.{row['model']}.worst_pct", pct)
+        worst("memory_model.worst_pct", pct)
     return out
 
 
@@ -162,8 +177,11 @@ def _memory_cap(r: dict[str, Any]) -> Figures:
         out[f"memory_cap.{m['model']}.plain"] = m["plain"]
         out[f"memory_cap.{m['model']}.cap_gib"] = m["cap"] / 2**30
         for row in m["rows"]:
-            out[f"memory_cap.{m['model']}.p{row['p']}.largest"] = row["largest"]
-            out[f"memory_cap.{m['model']}.p{row['p']}.ratio"] = row["ratio"]
+            if "largest" not in row:  # skipped (not enough free memory)
+                continue
+            d = f"d{row['d']}" if row.get("d", 1) > 1 else ""  # sharded: p4d2
+            out[f"memory_cap.{m['model']}.p{row['p']}{d}.largest"] = row["largest"]
+            out[f"memory_cap.{m['model']}.p{row['p']}{d}.ratio"] = row["ratio"]
     ck = r.get("checkpoint")
     if ck:
         out["memory_cap.checkpoint.depth"] = ck["depth"]

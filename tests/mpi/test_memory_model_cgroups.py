@@ -5,7 +5,9 @@ the full 3 x 3 grid on larger models): a Dense stack under 1F1B, a GPT-2-style k
 LM under GPipe, ResNet50 (64x64) under zb-h1. Per configuration: one process measures the
 runtime's baseline, one traces, costs, measures and plans the model and predicts each rank's
 peak; then two ranks train that plan, each in a memory cgroup of its own, and report its
-maximum usage. Every rank must be within 10% of its prediction.
+maximum usage. Every rank must be within 10% of its prediction. One more configuration runs
+at p = 2 x d = 2 (4 ranks) with ``shard_optimizer_state`` ([Note: sharded grid] in the
+benchmark): the Dense stack under zb-h1.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from tfsmp.launch.memcap import find_controller
 # Three models planned, measured and trained under cgroups (~90 s): CI runs it (TFSMP_FULL_TESTS=1)
 pytestmark = [pytest.mark.mpi, pytest.mark.full]
 
-CASES = [("dense_small", "interleaved"), ("gpt2_small", "simple"), ("resnet50_small", "zb-h1")]
+CASES = [("dense_small", "interleaved"), ("gpt2_small", "simple"), ("resnet50_small", "zb-h1"),
+         ("dense_small", "zb-h1:sharded")]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,8 @@ def results() -> Iterator[dict[tuple[str, str], dict]]:
     saved = os.environ.pop("TF_ENABLE_ONEDNN_OPTS", None)
     try:
         args = {"partitions": 2, "microbatches": 4, "optimize": "memory", "steps": 2}
-        yield {(m, p): compare(m, p, args) for m, p in CASES}
+        yield {(m, p): compare(m, p.split(":")[0], {**args, "shard": p.endswith(":sharded")})
+               for m, p in CASES}
     finally:
         if saved is not None:
             os.environ["TF_ENABLE_ONEDNN_OPTS"] = saved

@@ -81,11 +81,15 @@ def test_several_microbatches_compute_linear_weight_gradients_at_the_steps_end()
     assert all(r.accumulators == 0 and r.optimizer == 8 * layer for r in late)
     # the step holds every microbatch's linear inputs and output gradients instead
     assert all(r.activations >= 8 * 4 * 2 * 4096 * 4 for r in late)
-    kept = ranks(data_parallel=2)  # gradients summed over replicas: accumulators
-    assert all(r.accumulators == 4 * layer for r in kept)
-    # a batch whose linear inputs and gradients outweigh the weights keeps accumulators
+    # across replicas too ([Note: late weights across replicas]), at one microbatch as well
+    assert all(r.accumulators == 0 for r in ranks(data_parallel=2))
+    assert all(r.accumulators == 0 for r in ranks(data_parallel=2, microbatches=1))
+    # a batch whose linear inputs and gradients (every replica's) outweigh the weights keeps
+    # accumulators
     assert all(r.accumulators == 4 * layer for r in ranks(batch_size=4096, microbatches=8))
-    assert all(r.accumulators == 4 * layer for r in ranks(direct=False))
+    assert all(r.accumulators == 4 * layer for r in ranks(batch_size=32, data_parallel=16))
+    kept = ranks(direct=False)
+    assert all(r.accumulators == 4 * layer for r in kept)
     assert max(r.total for r in late) < min(r.total for r in kept)
 
 

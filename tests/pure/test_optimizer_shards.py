@@ -86,7 +86,13 @@ def test_memory_model_predicts_each_replicas_share_of_the_optimizer_state(optimi
         if optimizer == "adam":
             assert h.total < f.total - layer
     one_replica = predict_memory(plan, g, MemorySettings(**{**base, "data_parallel": 1}))
-    for f, o in zip(full, one_replica):  # d > 1: the gradient sums' shared buffer
+    for f, o in zip(full, one_replica):  # linear layers' gradients at the step's end, from
+        # every replica's rows: no accumulator to sum ([Note: late weights across replicas])
+        assert f.accumulators == o.accumulators == 0 and f.buffers == o.buffers
+    summed = predict_memory(plan, g, MemorySettings(**base, direct=False))
+    unsummed = predict_memory(plan, g, MemorySettings(**{**base, "data_parallel": 1},
+                                                      direct=False))
+    for f, o in zip(summed, unsummed):  # d > 1 with accumulators: the sums' shared buffer
         assert f.buffers == o.buffers + exchange_bytes([layer] * 4)
     one = predict_memory(plan, g, MemorySettings(**{**base, "data_parallel": 1},
                                                  shard_optimizer_state=True))

@@ -28,13 +28,16 @@ it holds at once during a step:
   per rank, no tied copy), and except, with several microbatches and otherwise the same
   conditions, linear layers whose inputs and output gradients for the step are smaller than
   their weights: those are held for the step instead, and each gradient is computed inside its
-  update ([Note: weights at the step's end] in tfsmp/runtime/stage.py, `late_weights_pay`).
+  update ([Note: weights at the step's end] in tfsmp/runtime/stage.py, `late_weights_pay`);
+  with d > 1 replicas at any microbatch count, from every replica's rows ([Note: late weights
+  across replicas]; the gradient sums then reduce only the other variables' accumulators).
 - [Note: sharded state] with ``shard_optimizer_state`` and d > 1 replicas, a rank's optimizer
   state is the busiest replica's share of its layers' slots, split as the runtime splits
   variables (`tfsmp.partitioning.shards`, layers standing for their variables), about 1/d;
   the weight exchange after the step adds `EXCHANGE_COPIES` buckets to its buffers
-  (`tfsmp.partitioning.shards.exchange_bytes`). Accumulators stay whole: every replica
-  holds the gradient of every variable after the reduction. With d > 1 (sharded or not) the
+  (`tfsmp.partitioning.shards.exchange_bytes`). Accumulators that remain (non-linear
+  variables, or where late weights do not pay) stay whole: every replica holds the gradient of
+  every such variable after the reduction. With d > 1 (sharded or not) the
   gradient sums hold one shared bucket-sized host buffer ([Note: reduction buckets] in
   tfsmp/runtime/reduction.py).
 - *buffers*, host memory outside TensorFlow's allocator: every message of a step has its own
@@ -301,19 +304,20 @@ def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], spl
     # late stages compute each gradient inside its update (one gradient and the optimizer's
     # temporaries: GRADIENTS_IN_FLIGHT of the largest), from the inputs kept for the step
     step = walk.kept + (0 if direct else 2 * largest)
-    if late:
-        step = walk.kept + walk.waiting_total + GRADIENTS_IN_FLIGHT * largest
+    if late:  # across replicas, every replica's rows ([Note: late weights across replicas])
+        step = (walk.kept + s.data_parallel * walk.waiting_total
+                + GRADIENTS_IN_FLIGHT * largest)
     ops = sum(m.ops for m in mine)
     weights, optimizer = sum(m.weights for m in mine), int(sum(m.optimizer for m in mine))
     bucket = exchange_bytes([u for m in mine for u in m.trainable_units])
+    accumulators = 0 if direct else sum(m.trainable - (m.linear if m.stage in late else 0)
+                                        for m in mine)
     if s.data_parallel > 1:  # the gradient sums' shared host buffer ([Note: reduction buckets])
-        buffers += int(bucket)
+        buffers += int(min(bucket, accumulators))  # late linear layers reduce no gradient
     if s.shard_optimizer_state and s.data_parallel > 1:  # [Note: sharded state]
         optimizer = int(largest_share([u for m in mine for u in m.optimizer_units],
                                       s.data_parallel))
         buffers += int(EXCHANGE_COPIES * bucket)
-    accumulators = 0 if direct else sum(m.trainable - (m.linear if m.stage in late else 0)
-                                        for m in mine)
     tensors = weights + optimizer + accumulators + max(peak, step)
     return RankMemory(
         rank=rank, stages=tuple(m.stage for m in mine),
@@ -329,8 +333,9 @@ def _late(mine: Sequence[StageMemory], possible: bool, s: MemorySettings) -> set
     (`RunPlan.late_possible`, the runtime's own rule) and `late_weights_pay` for the stage."""
     if s.direct is False or not possible or any(m.copies for m in mine):
         return set()
+    rows = s.batch_size * s.data_parallel  # every replica's ([Note: late weights across replicas])
     return {m.stage for m in mine
-            if late_weights_pay(s.batch_size * m.linear_sample, min(m.linear, m.trainable))}
+            if late_weights_pay(rows * m.linear_sample, min(m.linear, m.trainable))}
 
 
 class _ActivationWalk:

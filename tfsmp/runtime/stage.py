@@ -64,6 +64,19 @@ normalization) keep accumulators. The engine uses it where it would update direc
 microbatch count ([Note: direct update] in memory.py: one replica, one unsplit stage per rank,
 no tied copy, an optimizer that updates variable by variable, no ``clipnorm``/``clipvalue``).
 
+[Note: late weights across replicas] With d > 1 data-parallel replicas a variable's gradient is
+the sum over the replicas' rows, which the reduction used to take from an accumulator per
+variable (so every replica held a full set of gradients all step: at p=4 x d=2 with sharded
+optimizer state, 64 MiB per Dense(4096) layer beside 64 of weights and 64 of Adam slots). A
+linear layer's gradient is ``Xᵀ·dY`` over all rows though, so at the step's end each replica
+gathers every replica's saved inputs and pre-activation gradients (one allgather of a few KiB
+to MiB, in data-rank order: `_replicas_rows`) and computes the whole batch's gradient itself
+inside its update, as one process would. Replicas compute on the same gathered values, so
+they update alike; with sharded optimizer state only a variable's owner updates it and the
+weight exchange gives the others its values ([Note: weight exchange] in sharding.py). Other
+variables keep accumulators and the reduction. `RunPlan.late_possible` allows it at any
+microbatch count when d > 1; `late_weights_pay` decides with the whole batch's rows.
+
 [Note: finite flags] Whether a step's gradients are finite is checked once per stage and step,
 when the step's result is taken (`GradientState.finite_status`): one sum over every accumulator
 the step wrote (`all_finite`, [Note: cheap finiteness] in fused_step.py; the exact element-wise
@@ -86,6 +99,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import tensorflow as tf
 from keras.src.backend import get_keras_mask, set_keras_mask
 
@@ -107,6 +121,27 @@ __all__ = ["EvalOutput", "StageProgram", "all_finite", "is_differentiable"]
 
 def is_differentiable(dtype: str) -> bool:
     return dtype in ("float16", "bfloat16", "float32", "float64")
+
+
+def _replicas_rows(group: Any, xs: list[tf.Tensor], dys: list[tf.Tensor],
+                   extras: dict[str, tf.Tensor]
+                   ) -> tuple[list[tf.Tensor], list[tf.Tensor], dict[str, tf.Tensor]]:
+    """[Note: late weights across replicas] Every replica's rows of the step's saved linear
+    inputs and pre-activation gradients, in data-rank order, and the sum of their other
+    gradient parts (``extras``): one allgather. A replica without rows sends none."""
+    mine = ([np.asarray(x) for x in xs], [np.asarray(d) for d in dys],
+            {k: np.asarray(v) for k, v in extras.items()})
+    every = [g for g in group.allgather_obj(mine) if g[0]]
+    if not every:
+        return xs, dys, extras
+    calls = len(every[0][0])
+    xs = [tf.constant(np.concatenate([g[0][k] for g in every], 0)) for k in range(calls)]
+    dys = [tf.constant(np.concatenate([g[1][k] for g in every], 0)) for k in range(calls)]
+    summed: dict[str, Any] = {}
+    for g in every:
+        for k, v in g[2].items():
+            summed[k] = summed[k] + v if k in summed else v
+    return xs, dys, {k: tf.constant(v) for k, v in summed.items()}
 
 
 def _accumulate_into(acc: tf.Variable, g: tf.Tensor, first: bool) -> tf.Tensor:
@@ -240,6 +275,7 @@ class StageProgram:
         self._late_decided = False
         self._late_fn: Any = None
         self._late_owner: DirectUpdate | None = None
+        self._late_mine: tuple[int, ...] = ()  # the trainable variables the late update takes
         self._late_specs: list[tuple[Any, Any]] = []
 
     @property
@@ -281,11 +317,14 @@ class StageProgram:
             self.late = False
         self._store.ensure_accumulators(self._deferred if self.late else frozenset())
 
-    def apply_late(self, update: DirectUpdate, factor: float) -> bool:
+    def apply_late(self, update: DirectUpdate, factor: float, group: Any = None,
+                   owned: set[int] | None = None) -> bool:
         """The step's update of this stage's variables, each linear layer's weight gradient
         computed for the whole batch from every microbatch's saved inputs and pre-activation
         gradients ([Note: weights at the step's end]); returns whether every gradient was
-        finite (a variable whose gradient is not is left as it was)."""
+        finite (a variable whose gradient is not is left as it was). ``group`` (the stage's
+        data-parallel replicas) and ``owned`` (ids of the variables this replica updates):
+        [Note: late weights across replicas]."""
         works = [self._weight_work.pop(i) for i in sorted(self._weight_work)]
         calls = len(self._deferred_layers or [])
         xs = [tf.concat([w.xs[k] for w in works], 0) for k in range(calls)] if works else []
@@ -294,10 +333,15 @@ class StageProgram:
         for w in works:
             for i, g in w.extras.items():
                 extras[str(i)] = extras[str(i)] + g if str(i) in extras else g
+        if group is not None and group.size > 1:
+            xs, dys, extras = _replicas_rows(group, xs, dys, extras)
         sparse = {str(i): part for i, part in self.grads.sparse.items()}
-        if self._late_fn is None or self._late_owner is not update:
+        mine = tuple(i for i, v in enumerate(self.trainable) if owned is None or id(v) in owned)
+        if not mine:
+            return True
+        if self._late_fn is None or self._late_owner is not update or self._late_mine != mine:
             self._late_fn = tf.function(self._late_update_fn, reduce_retracing=True)
-            self._late_owner = update
+            self._late_owner, self._late_mine = update, mine
         return bool(self._late_fn(xs, dys, extras, sparse, tf.constant(factor, tf.float32)))
 
     def _late_update_fn(self, xs: list[tf.Tensor], dys: list[tf.Tensor],
@@ -330,11 +374,12 @@ class StageProgram:
             return g * tf.cast(factor, g.dtype)
 
         makers: list[Callable[[], Any]] = []
-        for i in range(len(self.trainable)):
+        for i in self._late_mine:
             kind = (deferred_grad if i in self._deferred else
                     sparse_grad if str(i) in sparse else dense_grad)
             makers.append(lambda i=i, kind=kind: kind(i))  # type: ignore[misc]
-        return update.apply_computed(makers, self.trainable)  # type: ignore[union-attr]
+        return update.apply_computed(  # type: ignore[union-attr]
+            makers, [self.trainable[i] for i in self._late_mine])
 
     def set_objective(self, objective: Objective | None) -> None:
         """Trains with another compiled loss from now on: the fused last stage traces anew."""

@@ -67,6 +67,8 @@ class Updates:
         self.mine: list[int] | None = None
         self.exchange: WeightExchange | None = None
         self.clip_group = group
+        self.data_group = exchange_group  # this rank's data-parallel replicas
+        self.replicas = exchange_group.size if exchange_group is not None else 1
         if owned is not None and exchange_group is not None and exchange_group.size > 1:
             self.mine = [j for j, (v, _, _) in enumerate(self.unique) if id(v) in owned]
             if len(self.mine) != len(owned):
@@ -116,7 +118,9 @@ class Updates:
                 and DirectUpdate.possible_late(self.optimizer))
         if self.late_possible:
             for prog in self.programs.values():
-                prog.set_late(late, self.microbatches)
+                # across replicas a step's rows are every replica's ([Note: late weights
+                # across replicas] in stage.py)
+                prog.set_late(late, self.microbatches * self.replicas)
         self.late = late
         self._late_update = DirectUpdate(self.optimizer) if late else None
 
@@ -127,6 +131,15 @@ class Updates:
         ``strict``: a non-finite gradient met in a late update raises (else it is applied, as
         Keras applies it)."""
         mine = list(range(len(self.unique))) if self.mine is None else self.mine
+        if self.late and all(p.late for p in self.programs.values()):
+            # [Note: weights at the step's end] in stage.py; across replicas, every replica
+            # takes part in gathering the rows, owners or not ([Note: late weights across
+            # replicas])
+            self._apply_late(factor, strict)
+            if not mine and self.optimizer is not None:
+                self.optimizer.iterations.assign_add(1)
+            self._exchange()
+            return
         if not mine and self.optimizer is not None:
             # a rank (or replica) with nothing to update counts the step too: callbacks there
             # read the optimizer's iterations (and learning-rate schedules) as on every other
@@ -137,9 +150,6 @@ class Updates:
             self._exchange()
             return
         if self.bridge is None:
-            return
-        if self.late and all(p.late for p in self.programs.values()):
-            self._apply_late(factor, strict)  # [Note: weights at the step's end] in stage.py
             return
         sparse: dict[str, tuple[tf.Tensor, tf.Tensor]] = {}
         for n, j in enumerate(mine):
@@ -158,7 +168,10 @@ class Updates:
 
     def _apply_late(self, factor: float, strict: bool) -> None:
         update = self._late_update or DirectUpdate(self.optimizer)
-        finite = all([p.apply_late(update, factor) for p in self.programs.values()])
+        group = self.data_group if self.replicas > 1 else None
+        owned = None if self.mine is None else {id(v) for v in self.optimizer_variables}
+        finite = all([p.apply_late(update, factor, group, owned)
+                      for p in self.programs.values()])
         if strict and not finite:
             raise StepError(
                 f"{self.rank_tag} Non-finite weight gradients on this rank; they are computed "
