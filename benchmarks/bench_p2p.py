@@ -92,10 +92,16 @@ class _RawPingPong:
         return time.perf_counter() - start
 
 
-def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = None) -> Any:
+def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = None,
+                       keep: bool = False) -> Any:
     """An executor whose schedule is only the transfers of ``k`` microbatches over one
     boundary of ``floats`` float32 values per microbatch (one row of that width).
-    ``executor_module`` replaces `tfsmp.runtime.executor` (to measure a prototype)."""
+    ``executor_module`` replaces `tfsmp.runtime.executor` (to measure a prototype).
+
+    Each received tensor is dropped after its receive, as the stage's FORWARD or BACKWARD that
+    follows it in a training step would (the last stage's fused forward-backward, and every
+    backward, are done with their inputs before the next microbatch arrives); with ``keep``
+    the step holds all ``k`` to its end instead (``k`` buffers of the message's size)."""
     import tensorflow as tf
 
     from tfsmp.partitioning.plan import Boundary, StagePlan
@@ -124,6 +130,16 @@ def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = N
             for i in range(k):
                 self.step_state.produced[(0, i)] = {0: payload}
                 self.step_state.grad_out[(1, i)] = {0: payload}
+
+        def _recv_forward(self, a: Action) -> None:
+            super()._recv_forward(a)
+            if not keep:
+                del self.step_state.received[(a.stage, a.microbatch)]
+
+        def _recv_backward(self, a: Action) -> None:
+            super()._recv_backward(a)
+            if not keep:
+                del self.step_state.grad_in[(a.stage, a.microbatch)]
 
         def step(self) -> float:
             start = time.perf_counter()
