@@ -244,3 +244,14 @@ def test_the_engine_keeps_one_executor_per_schedule_so_buffers_survive_steps() -
         assert len(engine._executors) == 2
     finally:
         smp.shutdown()
+
+
+def test_a_wait_spins_only_on_a_rank_pinned_to_cores_of_its_own() -> None:
+    from tfsmp.comm.mpi import SPIN, spin_seconds
+
+    two = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert spin_seconds(two, cpus=2, affinity=1) == SPIN  # --bind-to core: a core each
+    assert spin_seconds(two, cpus=2, affinity=2) == 0.0  # --bind-to none: may share the peer's
+    assert spin_seconds({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, cpus=2, affinity=1) == 0.0
+    assert spin_seconds({"MPI_LOCALNRANKS": "2"}, cpus=4, affinity=2) == SPIN
+    assert spin_seconds({}, cpus=64, affinity=1) == 0.0  # ranks per host unknown

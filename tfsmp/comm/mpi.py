@@ -41,18 +41,23 @@ def _testall() -> Any:
 _TESTALL: Any = None
 
 
-def spin_seconds(environ: Mapping[str, str] | None = None, cpus: int | None = None) -> float:
+def spin_seconds(environ: Mapping[str, str] | None = None, cpus: int | None = None,
+                 affinity: int | None = None) -> float:
     """How long a wait of this process polls without pausing ([Note: polling] in
-    tfsmp/runtime/executor.py): `SPIN` while this host's ranks have a core each, else 0.
+    tfsmp/runtime/executor.py): `SPIN` when this rank is pinned to cores of its own, else 0.
 
-    The ranks per host come from the launcher's environment (Open MPI's
-    ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH's ``MPI_LOCALNRANKS``); unknown counts as
-    oversubscribed, the cautious side."""
+    Pinned (``mpirun --bind-to core``) means its CPU affinity times this host's ranks fits
+    in the host's CPUs, so no other rank of the job shares its cores. Unpinned ranks (tfsmp's
+    launcher passes ``--bind-to none``) may share a core with the very peer they wait for
+    whenever the host is busy, and a spin then burns the time the peer needs. The ranks per
+    host come from the launcher's environment (Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``,
+    MPICH's ``MPI_LOCALNRANKS``); unknown counts as sharing, the cautious side."""
     env = os.environ if environ is None else environ
     local = env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or env.get("MPI_LOCALNRANKS")
     cores = (os.cpu_count() or 1) if cpus is None else cpus
+    mine = len(os.sched_getaffinity(0)) if affinity is None else affinity
     try:
-        return SPIN if local is not None and 0 < int(local) <= cores else 0.0
+        return SPIN if local is not None and 0 < int(local) * mine <= cores else 0.0
     except ValueError:
         return 0.0
 

@@ -273,16 +273,19 @@ class Executor:
         """Waits for requests, polling so that a stall is diagnosed instead of hanging.
 
         [Note: polling] Each poll tests all requests in one call (MPI ``Testall``). For its first
-        `Group.spin` seconds a wait polls without pause, as MPI's own blocking wait does: a
-        transfer completes within that on a rank with a core of its own, and any pause adds its
-        length to the message's latency (yielding the core between tests made a 256 KB
-        ping-pong 2-20x slower on a busy host, where the scheduler runs another process before
-        the next test; a fixed sleep cost ~1 ms per message). Then, up to 50 ms, it yields the
-        core between tests, and longer waits back off to 1 ms sleeps, so an idle rank does not
-        starve a computing one on an oversubscribed host (where `Group.spin` is 0). A blocking
-        ``Waitall`` would save no time over the first phase and could not back off. Only a
-        wait past the first phase tells the watchdog (a few microseconds), and ``what`` may be
-        a function, so that the common short wait does not build its message.
+        `Group.spin` seconds a wait polls without pause, as MPI's own blocking wait does; then,
+        up to 50 ms, it yields the core between tests, and longer waits back off to 1 ms
+        sleeps, so an idle rank does not starve a computing one on an oversubscribed host.
+        The spin is 10 ms for a rank pinned to cores of its own and 0 otherwise
+        (`tfsmp.comm.mpi.spin_seconds`). Measured on this 2-core host while other jobs kept it
+        busy (load 10-12), the transfer benchmark's 2 ranks: pinned to a core each, yielding
+        between tests made a 256 KB ping-pong 6-25x slower than spinning (the scheduler runs
+        another process before the next test); unpinned (``--bind-to none``, as tfsmp's
+        launcher and the benchmarks run), spinning was 1.2-40x slower than yielding at every
+        size from 256 KB to 16 MB, the two ranks taking turns on one core. A blocking ``Waitall`` would save no time over the spin and could neither back
+        off nor let the watchdog's table show the wait. Only a wait past the spin tells the
+        watchdog (a few microseconds), and ``what`` may be a function, so that the common
+        short wait does not build its message.
         """
         if testall(requests):  # one MPI call for the common case: already there
             return
