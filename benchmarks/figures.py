@@ -101,6 +101,8 @@ def _p2p(r: dict[str, Any], prefix: str = "p2p") -> Figures:
         out[f"{key}.ratio"], out[f"{key}.q1"], out[f"{key}.q3"] = (
             row["ratio"]["median"], row["ratio"]["q1"], row["ratio"]["q3"])
         out[f"{key}.tfsmp_gbps"], out[f"{key}.raw_gbps"] = row["tfsmp_gbps"], row["raw_gbps"]
+        if "kept_ratio" in row:  # every received tensor held to the step's end
+            out[f"{key}.kept_ratio"] = row["kept_ratio"]["median"]
     return out
 
 

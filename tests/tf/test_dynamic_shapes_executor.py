@@ -182,7 +182,7 @@ def test_changing_lengths_arrive_intact_and_each_shape_keeps_its_buffer() -> Non
     pair = _pair()
     steps, errors, mine = _run_pair(pair, [(5, 5), (9, 9)])
     assert not errors and not mine
-    pools = [{k: id(v) for k, v in pair[1]._pool.items()}]
+    rings = [{k: [id(s.buf) for s in ring] for k, ring in pair[1].pool.rings.items()}]
     del steps  # the received tensors alias their buffers: drop them so the buffers are free
     steps, errors, mine = _run_pair(pair, [(5, 5), (9, 9), (5, 5)])
     assert not errors and not mine
@@ -190,9 +190,10 @@ def test_changing_lengths_arrive_intact_and_each_shape_keeps_its_buffer() -> Non
         for i, t in got.items():
             assert t.shape == (1, n)
             np.testing.assert_array_equal(t.numpy(), np.full((1, n), 10 * n + i, np.float32))
-    pools.append({k: id(v) for k, v in pair[1]._pool.items()})
-    assert sorted({k[-1] for k in pools[1]}) == [(1, 5), (1, 9)]  # one buffer per message and shape
-    assert all(pools[1][k] == v for k, v in pools[0].items() if k[-1] == (1, 9))
+    rings.append({k: [id(s.buf) for s in ring] for k, ring in pair[1].pool.rings.items()})
+    assert sorted(k[-1] for k in rings[1]) == [(1, 5), (1, 9)]  # one ring per stream and shape
+    nine = next(k for k in rings[0] if k[-1] == (1, 9))
+    assert rings[1][nine] == rings[0][nine]  # the last step's shape kept its buffers
 
 
 def test_ranks_whose_batches_disagree_get_a_clear_error_not_garbage() -> None:

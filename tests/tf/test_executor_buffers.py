@@ -1,9 +1,12 @@
-"""The executor's reused receive buffers ([Note: receive buffers] in tfsmp/runtime/executor.py).
+"""The executor's reused receive buffers ([Note: receive buffers] in tfsmp/runtime/buffers.py).
 
 A received tensor aliases its buffer (DLPack), so a buffer may be reused only once no tensor
 holds it. These tests run a two-rank transfer-only schedule on the threaded local backend and
-check that a tensor kept from one step keeps its values through later steps, that a dropped
-tensor's buffer is reused, and that every dtype a boundary can carry arrives intact.
+check that a tensor kept from one step keeps its values through later steps, that tensors held
+within a step never share a buffer, that a stream whose tensors are consumed cycles through a
+ring of `_AHEAD` buffers that become its tensors without a copy, that a dropped tensor's buffer
+is reused, that sends go out of the tensor's own memory, and that every dtype a boundary can
+carry arrives intact.
 """
 
 from __future__ import annotations
@@ -18,13 +21,19 @@ import tensorflow as tf
 
 from tfsmp.comm.local import create_local_comms
 from tfsmp.partitioning.plan import Boundary, StagePlan
-from tfsmp.runtime.executor import Executor, MicroBatch, aligned_empty, as_tensor
+from tfsmp.runtime.buffers import host_view, pool_tensor
+from tfsmp.runtime.executor import _AHEAD, Executor, MicroBatch, aligned_empty, as_tensor
 from tfsmp.runtime.hooks import StepMode
 from tfsmp.schedule.actions import Action, Op
 from tfsmp.schedule.placement import Placement
 from tfsmp.topology import Topology
 
 K = 3  # microbatches per step
+
+
+def _address(t: tf.Tensor) -> int:
+    """Where a CPU tensor's values are (its buffer, exported without a copy)."""
+    return int(np.asarray(memoryview(t)).ctypes.data)
 
 
 class _Transfer(Executor):
@@ -41,6 +50,8 @@ class _Transfer(Executor):
         self.dtype, self.width = dtype, width
         self.got: dict[int, tf.Tensor] = {}
         self.step_no = 0
+        self.keep = True  # False: drop each tensor once checked, as a stage consumes its input
+        self.seen: list[tuple[int, bool]] = []  # rank 1: (address, values right) per tensor
 
     def payload(self, i: int) -> tf.Tensor:
         values = np.arange(self.width, dtype=np.float64) + 1000 * self.step_no + 10 * i
@@ -54,7 +65,11 @@ class _Transfer(Executor):
 
     def _recv_forward(self, a: Any) -> None:
         _, ts = self._collect(a)
-        self.got[a.microbatch] = ts[0]
+        if self.keep:
+            self.got[a.microbatch] = ts[0]
+        else:
+            right = np.array_equal(ts[0].numpy(), _expected(self, self.step_no, a.microbatch))
+            self.seen.append((_address(ts[0]), right))
 
     def step(self) -> dict[int, tf.Tensor]:
         self.got = {}
@@ -111,17 +126,49 @@ def test_a_kept_tensor_keeps_its_values_while_later_steps_receive() -> None:
             np.testing.assert_array_equal(t.numpy(), _expected(pair[0], step, i))
 
 
-def test_a_buffer_is_reused_once_its_tensor_is_gone_and_replaced_while_held() -> None:
-    pair = _pair("float32")
-    held = _steps(pair, 1)[0]
-    pool_before = {k: id(v) for k, v in pair[1]._pool.items()}
-    _steps(pair, 1)  # `held` still references step 0's buffers: new ones are made
-    pool_held = {k: id(v) for k, v in pair[1]._pool.items()}
-    assert all(pool_held[k] != pool_before[k] for k in pool_before)
-    del held
-    _steps(pair, 1)  # the last step's tensors were dropped by `_steps`: their buffers return
-    pool_after = {k: id(v) for k, v in pair[1]._pool.items()}
-    assert pool_after == pool_held
+def test_tensors_held_within_a_step_never_share_a_buffer() -> None:
+    pair = _pair("float32", width=4096)
+    for step, got in enumerate(_steps(pair, 3)):  # rank 1 keeps every tensor of a step
+        assert len({_address(t) for t in got.values()}) == K
+        for i, t in got.items():
+            np.testing.assert_array_equal(t.numpy(), _expected(pair[0], step, i))
+
+
+def test_a_consumed_stream_cycles_through_its_ring_and_receives_without_a_copy() -> None:
+    pair = _pair("float32", width=4096)
+    pair[1].keep = False
+    _steps(pair, 4)
+    assert len(pair[1].seen) == 4 * K and all(right for _, right in pair[1].seen)
+    buffers = {int(b.ctypes.data) for b in pair[1]._pool}
+    assert len(buffers) == _AHEAD  # one per receive posted ahead, reused step after step
+    assert {address for address, _ in pair[1].seen} == buffers  # each tensor is its buffer
+
+
+def test_a_buffer_kept_past_its_step_is_left_to_its_tensor_and_reused_once_dropped() -> None:
+    pair = _pair("float32", width=4096)
+    kept = _steps(pair, 1)[0]
+    first = {_address(t) for t in kept.values()}
+    later = _steps(pair, 2)
+    assert not first & {_address(t) for got in later for t in got.values()}
+    assert not first & {int(b.ctypes.data) for b in pair[1]._pool}  # left, the ring not grown
+    assert len(pair[1]._pool) == K
+    for i, t in kept.items():
+        np.testing.assert_array_equal(t.numpy(), _expected(pair[0], 0, i))
+    del kept, later
+    pool = {int(b.ctypes.data) for b in pair[1]._pool}
+    again = _steps(pair, 1)[0]  # nothing holds the ring's buffers any more: reused
+    assert {_address(t) for t in again.values()} == pool
+
+
+def test_a_send_goes_out_of_the_tensor_s_own_memory() -> None:
+    buf = aligned_empty((3, 5), np.dtype(np.float32))
+    buf[:] = 7
+    t = pool_tensor(buf, True)  # a tensor whose memory is known: ``buf``
+    assert _address(t) == buf.ctypes.data  # the received-tensor side: no copy
+    sent = host_view(t, np.dtype(np.float32))
+    assert sent.ctypes.data == buf.ctypes.data and not sent.flags.owndata  # the send side
+    computed = tf.ones((3, 5)) * 2  # memory TensorFlow allocated
+    assert host_view(computed).ctypes.data == _address(computed)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int64",
@@ -197,3 +244,14 @@ def test_the_engine_keeps_one_executor_per_schedule_so_buffers_survive_steps() -
         assert len(engine._executors) == 2
     finally:
         smp.shutdown()
+
+
+def test_a_wait_spins_only_on_a_rank_pinned_to_cores_of_its_own() -> None:
+    from tfsmp.comm.mpi import SPIN, spin_seconds
+
+    two = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert spin_seconds(two, cpus=2, affinity=1) == SPIN  # --bind-to core: a core each
+    assert spin_seconds(two, cpus=2, affinity=2) == 0.0  # --bind-to none: may share the peer's
+    assert spin_seconds({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, cpus=2, affinity=1) == 0.0
+    assert spin_seconds({"MPI_LOCALNRANKS": "2"}, cpus=4, affinity=2) == SPIN
+    assert spin_seconds({}, cpus=64, affinity=1) == 0.0  # ranks per host unknown

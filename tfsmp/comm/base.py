@@ -61,6 +61,7 @@ class Group(abc.ABC):
     ranks: list[int]   # global (world) ranks, in group order
     index: int = 7     # which of a Comm's groups (tfsmp.comm.calls.GROUP_NAMES); set by Comm
     calls: int = 0     # collective calls so far ([Note: who arrived] in tfsmp/comm/calls.py)
+    spin: float = 0.0  # seconds a wait polls its requests without pausing ([Note: polling])
 
     @abc.abstractmethod
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> Request:
@@ -179,9 +180,12 @@ def waitall(reqs: Sequence[Request]) -> None:
 
 def testall(reqs: Sequence[Request]) -> bool:
     """Whether every request completed, never blocking (MPI requests in one `Testall`)."""
+    if len(reqs) == 1:  # the executor's common case: one boundary tensor per message
+        return reqs[0].test()
     if not reqs:
         return True
-    batch = getattr(type(reqs[0]), "testall", None)
-    if batch is not None and all(type(r) is type(reqs[0]) for r in reqs):
+    kind = type(reqs[0])
+    batch = getattr(kind, "testall", None)
+    if batch is not None and all(type(r) is kind for r in reqs):
         return bool(batch(reqs))
     return all([req.test() for req in reqs])  # a list: every request gets its test (progress)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from tfsmp.errors import CommError
 if TYPE_CHECKING:
     from tfsmp.topology import Topology
 
-__all__ = ["MpiGroup", "MpiRequest", "create_mpi_comm", "mpi", "world_size"]
+__all__ = ["SPIN", "MpiGroup", "MpiRequest", "create_mpi_comm", "mpi", "spin_seconds", "world_size"]
 
 
 def mpi() -> Any:
@@ -27,6 +28,41 @@ def mpi() -> Any:
 def world_size() -> int:
     """Size of MPI's COMM_WORLD (initializes MPI)."""
     return int(mpi().COMM_WORLD.Get_size())
+
+
+def _testall() -> Any:
+    """`MPI.Request.Testall`, looked up once (a wait calls it in a loop: [Note: polling])."""
+    global _TESTALL
+    if _TESTALL is None:
+        _TESTALL = mpi().Request.Testall
+    return _TESTALL
+
+
+_TESTALL: Any = None
+
+
+def spin_seconds(environ: Mapping[str, str] | None = None, cpus: int | None = None,
+                 affinity: int | None = None) -> float:
+    """How long a wait of this process polls without pausing ([Note: polling] in
+    tfsmp/runtime/executor.py): `SPIN` when this rank is pinned to cores of its own, else 0.
+
+    Pinned (``mpirun --bind-to core``) means its CPU affinity times this host's ranks fits
+    in the host's CPUs, so no other rank of the job shares its cores. Unpinned ranks (tfsmp's
+    launcher passes ``--bind-to none``) may share a core with the very peer they wait for
+    whenever the host is busy, and a spin then burns the time the peer needs. The ranks per
+    host come from the launcher's environment (Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``,
+    MPICH's ``MPI_LOCALNRANKS``); unknown counts as sharing, the cautious side."""
+    env = os.environ if environ is None else environ
+    local = env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or env.get("MPI_LOCALNRANKS")
+    cores = (os.cpu_count() or 1) if cpus is None else cpus
+    mine = len(os.sched_getaffinity(0)) if affinity is None else affinity
+    try:
+        return SPIN if local is not None and 0 < int(local) * mine <= cores else 0.0
+    except ValueError:
+        return 0.0
+
+
+SPIN = 0.01  # covers a 16 MB transfer (~1 ms here) several times over, busy host included
 
 
 class MpiRequest:
@@ -46,7 +82,7 @@ class MpiRequest:
             self.req.Wait()
 
     def test(self) -> bool:
-        return bool(self.req.Test())
+        return self.req.Test()  # type: ignore[no-any-return]
 
     @staticmethod
     def waitall(reqs: Sequence[MpiRequest]) -> None:
@@ -56,7 +92,7 @@ class MpiRequest:
     @staticmethod
     def testall(reqs: Sequence[MpiRequest]) -> bool:
         """Whether all completed, in one MPI call (completed ones become null requests)."""
-        return bool(mpi().Request.Testall([r.req for r in reqs]))
+        return bool(_testall()([r.req for r in reqs]))
 
 
 class MpiGroup(Group):
@@ -74,6 +110,7 @@ class MpiGroup(Group):
         self.size = int(comm.Get_size())
         world = mpi().COMM_WORLD
         self.ranks = [int(r) for r in comm.allgather(world.Get_rank())]
+        self.spin = spin_seconds()
 
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> MpiRequest:
         check_buffer(buf)

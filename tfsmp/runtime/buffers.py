@@ -3,7 +3,7 @@
 Example::
 
     pool = ReceivePool(plan.boundaries, limit=16, dynamic=False)
-    buf = pool.buffer(("F", 1, 0, 3, 0), boundary, (64, 128))   # reused while no tensor holds it
+    buf = pool.buffer(("F", 1, 0, 0), boundary, (64, 128))      # a free buffer of the stream's ring
     t = pool.tensor(boundary, buf)                              # aliases buf through DLPack
     host_view(tensor)                                          # a send's buffer, no copy
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -100,30 +101,47 @@ def held(buf: np.ndarray, extra: int = 0) -> bool:
     return _refcount(buf) > _UNHELD + extra
 
 
+@dataclass
+class _Slot:
+    """One buffer of a ring and the step that last took it."""
+
+    buf: np.ndarray
+    step: int
+
+
 class ReceivePool:
-    """The receive buffers of one executor's messages, kept from step to step.
+    """The receive buffers of one executor's messages: a small ring per message stream.
 
     [Note: receive buffers] A received message becomes a tensor without a copy: the buffer
     is 64-byte aligned and handed to TensorFlow through DLPack, so the tensor aliases it.
-    Fresh buffers every step would cost page faults (2-5x the transfer itself) and a copy
-    into a TF tensor costs as much again (`benchmarks/bench_p2p.py`), so each message of
-    the schedule keeps its buffer from step to step (the engine keeps one executor per
-    schedule, `tfsmp.runtime.executors.Executors`), reused only when no tensor holds it
-    any more: a tensor made through DLPack keeps a reference to its array until TensorFlow
-    frees the tensor, so the array's reference count says whether it is free. A buffer still
-    held (an output the user kept, say) is left to its tensor and the message gets a new
-    one. Types DLPack cannot carry (bfloat16) are copied into a tensor when received, so
-    their buffers are always free. A step that ended early (an exception) may leave
-    receives posted into its buffers, so the next step starts a new pool. With shapes known
-    only at run time ([Note: dynamic boundaries]) a message keeps one buffer per shape, so
-    batches alternating between a few lengths reuse theirs; past `limit` messages and
-    shapes (4 shapes per message) the pool starts afresh, which bounds its memory.
+    The messages of one stream (one boundary tensor between one pair of stages, in one
+    direction: microbatch after microbatch) share a ring of buffers, kept from step to step
+    (the engine keeps one executor per schedule, `tfsmp.runtime.executors.Executors`). A
+    receive takes a buffer of its ring that is free, i.e. that nothing else references: not
+    a receive in flight (the executor's posted request keeps it) and not a tensor made from
+    it (a DLPack tensor keeps a reference to its array until TensorFlow frees the tensor,
+    so the array's reference count says so, `held`); only when none is free does the ring
+    grow. So a stage that consumes each received tensor before the next arrives (the last
+    stage, and every backward receive) cycles through as many buffers as it posts ahead
+    ([Note: receives ahead] in executor.py), which stay in the CPU's caches, where one
+    buffer per message of the step would write every microbatch to memory that left them
+    (at 256 KB messages that alone made a ping-pong 3x slower, `benchmarks/bench_p2p.py`);
+    and a tensor kept beyond its step (an output the user kept, say) keeps its buffer: when
+    a ring grows, the buffers still held that an earlier step took are left to their
+    tensors. Fresh buffers every step would cost page faults (2-5x the transfer itself) and
+    a copy into a TF tensor costs as much again. Types DLPack cannot carry (bfloat16) are
+    copied into a tensor when received, so their buffers are free again at once. A step that
+    ended early (an exception) may leave receives posted into its buffers, so the next step
+    starts a new pool. A ring is kept per stream and shape: with shapes known only at run time
+    ([Note: dynamic boundaries]) batches alternating between a few lengths reuse theirs; past
+    `limit` rings the pool starts afresh, which bounds its memory.
     """
 
     def __init__(self, boundaries: Iterable[Boundary], limit: int, dynamic: bool) -> None:
-        self.buffers: dict[tuple[Any, ...], np.ndarray] = {}
-        self.limit = limit  # messages x shapes kept with dynamic shapes
+        self.rings: dict[tuple[Any, ...], list[_Slot]] = {}
+        self.limit = limit  # rings (streams x shapes) kept
         self.dynamic = dynamic
+        self.step = 0  # counts `begin_step` calls: which step took a buffer
         # [Note: message plan] in executor.py: a boundary's numpy type and whether DLPack can
         # alias it, decided once
         self.dtypes = {b.index: np.dtype(tf.as_dtype(b.dtype).as_numpy_dtype) for b in boundaries}
@@ -131,20 +149,36 @@ class ReceivePool:
 
     def reset(self) -> None:
         """Starts a new pool (a step that ended early may have left receives posted)."""
-        self.buffers = {}
+        self.rings = {}
 
-    def buffer(self, key: tuple[Any, ...], b: Boundary, shape: tuple[int, ...]) -> np.ndarray:
-        """The receive buffer of one message: the one it had last step unless that is taken."""
-        dtype = self.dtypes[b.index]
-        if self.dynamic:
-            key = (*key, shape)
-            if key not in self.buffers and len(self.buffers) >= self.limit:
-                self.buffers = {}
-        buf = self.buffers.get(key)
-        if buf is None or buf.shape != shape or buf.dtype != dtype or held(buf):
-            buf = self.buffers[key] = aligned_empty(shape, dtype)
+    def begin_step(self) -> None:
+        """A step starts: buffers taken from now on belong to it."""
+        self.step += 1
+
+    def buffer(self, stream: tuple[Any, ...], b: Boundary, shape: tuple[int, ...]) -> np.ndarray:
+        """A free buffer of ``stream``'s ring for a message of ``shape``; the caller keeps a
+        reference to it until the message is in (that marks it taken)."""
+        key = (*stream, shape)
+        ring = self.rings.get(key)
+        if ring is None:
+            if len(self.rings) >= self.limit:
+                self.rings = {}
+            ring = self.rings[key] = []
+        for slot in ring:
+            buf = slot.buf
+            if not held(buf):
+                slot.step = self.step
+                return buf
+        step = self.step  # none free: leave earlier steps' held buffers to their tensors
+        ring[:] = [slot for slot in ring if slot.step == step]
+        buf = aligned_empty(shape, self.dtypes[b.index])
+        ring.append(_Slot(buf, step))
         return buf
 
     def tensor(self, b: Boundary, buf: np.ndarray) -> tf.Tensor:
         """The tensor of a received buffer of this pool (aligned: `aligned_empty`)."""
         return pool_tensor(buf, self.dlpack[b.index])
+
+    def buffers(self) -> list[np.ndarray]:
+        """Every buffer the rings hold (tests and memory accounting)."""
+        return [slot.buf for ring in self.rings.values() for slot in ring]

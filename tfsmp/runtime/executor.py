@@ -11,13 +11,23 @@ programs, the message plan and the receive-buffer pool. What one step makes (rec
 produced tensors, posted receives, pending sends, the result) lives in a `_Step` made by `run`,
 so no step reads another's leftovers.
 
-[Note: pre-posted receives] Before the first action of a step, every receive of the step is
-posted (``Irecv`` into a fresh buffer) and every send is non-blocking. Large messages travel by
-MPI's rendezvous protocol, so a sender would otherwise stall until its peer reached the matching
-receive (measured on a 2-stage prototype, 16 steps at batch 512: 2.97 s without pre-posting,
-2.04 s with it, 1.98 s in one process).
-With all receives posted, a schedule whose receives are satisfiable in order cannot deadlock,
-which is what the schedule validator checks.
+[Note: pre-posted receives] Every send is non-blocking (``Isend``), and each receive is posted
+(``Irecv``) before the rank waits for it, a few microbatches ahead ([Note: receives ahead]). Large
+messages travel by MPI's rendezvous protocol, so a blocking send would stall until its peer
+reached the matching receive (measured on a 2-stage prototype, 16 steps at batch 512: 2.97 s
+with blocking sends and receives posted at their action, 2.04 s non-blocking and pre-posted,
+1.98 s in one process). As no send blocks and every receive is posted before its wait, a schedule
+whose receives are satisfiable in order cannot deadlock, which is what the schedule validator
+checks.
+
+[Note: receives ahead] A step posts, per message stream (the boundary tensors between one pair
+of stages in one direction), the receives of its first `_AHEAD` microbatches, and each receive
+action posts the stream's next ones before it waits, so while a rank waits for microbatch i the
+message of microbatch i + 1 can already land. Posting every receive of the step at its start
+would need a buffer per message; this way a stream cycles through a ring of about `_AHEAD`
+buffers that stay in the CPU's caches, as long as its tensors are consumed (a stage keeping
+its received activations for the backward holds their buffers, and the ring grows to what it
+holds: [Note: receive buffers] in buffers.py).
 
 [Note: tags] A message is one boundary tensor of one microbatch in one direction; its tag comes
 from `tfsmp.schedule.actions.message_tag` (boundary index, consumer stage, microbatch, direction),
@@ -42,7 +52,15 @@ from tfsmp.comm.base import Group, Request, testall
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime import watchdog as wd
-from tfsmp.runtime.buffers import ReceivePool, aligned_empty, as_tensor, held, host_view, wire
+from tfsmp.runtime.buffers import (
+    ReceivePool,
+    aligned_empty,
+    as_tensor,
+    held,
+    host_view,
+    pool_tensor,
+    wire,
+)
 from tfsmp.runtime.dynamic_shapes import BoundaryShapes, is_dynamic
 from tfsmp.runtime.hooks import Head, LastStage, StageResult, StepHooks, StepMode
 from tfsmp.runtime.stage import StageProgram, is_differentiable
@@ -101,12 +119,30 @@ class _Receive:
 
     key: _Key  # (receive op, stage, peer, microbatch), as in `_Step.posted`
     boundaries: list[Boundary]
-    pool_keys: list[tuple[Any, ...]]
+    streams: list[tuple[Any, ...]]  # each boundary's ring in the pool: (op, stage, peer, index)
     tags: list[int]
     src: int
     consumer: int
     microbatch: int
     backward: bool
+    queue: list[_Receive] = field(default_factory=list, compare=False, repr=False)  # its stream's
+    position: int = 0  # its index in ``queue``
+
+
+@dataclass(frozen=True)
+class _Send:
+    """One send action's messages, computed once per executor ([Note: message plan])."""
+
+    boundaries: list[Boundary]
+    indices: list[int]  # the boundaries' indices, in order
+    mailbox: _Key | None  # the peer's receive key when the peer stage is on this rank
+    dest: int
+    tags: list[int]
+    dtypes: list[np.dtype[Any]]
+    headers: bool  # some boundary's shape is known only at run time ([Note: dynamic boundaries])
+    peer: int
+    microbatch: int
+    consumer: int
 
 
 @dataclass
@@ -114,6 +150,8 @@ class _Pending:
     boundaries: list[Boundary]
     buffers: list[np.ndarray]
     requests: list[Request]
+    tensors: list[tf.Tensor | None]  # made when posted where DLPack aliases ([Note: early tensors])
+    copied: bool  # some boundary's type is copied into its tensor once received
     headers: list[tuple[Boundary, np.ndarray]] = field(default_factory=list)
     header_requests: list[Request] = field(default_factory=list)
 
@@ -129,6 +167,7 @@ class _Step:
     result: StepResult
     mb_shapes: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
     posted: dict[_Key, _Pending] = field(default_factory=dict)
+    ahead: dict[int, int] = field(default_factory=dict)  # id(stream queue) -> receives posted
     mailbox: dict[_Key, list[tf.Tensor]] = field(default_factory=dict)
     received: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
     produced: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
@@ -137,7 +176,8 @@ class _Step:
     sends: list[tuple[Request, np.ndarray]] = field(default_factory=list)
 
 
-_POOL_SHAPES = 4  # distinct shapes per message whose buffers a dynamic-shape executor keeps
+_POOL_SHAPES = 4  # distinct shapes per stream whose rings a dynamic-shape executor keeps
+_AHEAD = 2  # receives of a stream posted before waiting for the first ([Note: receives ahead])
 
 
 class Executor:
@@ -182,12 +222,15 @@ class Executor:
         # [Note: message plan] Everything about a message that does not change between steps
         # (its boundaries, tags, peer rank, pool keys, numpy type, whether DLPack can alias it)
         # is computed once per executor; a step only picks buffers, posts and completes requests.
+        streams = {(a.op is Op.RECV_B, a.stage, _peer(a)) for a in actions
+                   if a.op in (Op.RECV_F, Op.RECV_B)}
         self.pool = ReceivePool(plan.boundaries, _POOL_SHAPES * sum(
-            len(self._pair(*((a.stage, _peer(a)) if a.op is Op.RECV_B else (_peer(a), a.stage)),
-                           a.op is Op.RECV_B))
-            for a in actions if a.op in (Op.RECV_F, Op.RECV_B)), dynamic=shapes is not None)
-        self._receives: list[_Receive] | None = None  # on first use: subclasses may add actions
-        self._send_tags: dict[_Key, tuple[int, list[int]]] = {}
+            len(self._pair(*((stage, peer) if backward else (peer, stage)), backward))
+            for backward, stage, peer in streams), dynamic=shapes is not None)
+        self._receives: dict[_Key, _Receive] | None = None  # on first use: subclasses may add
+        self._queues: list[list[_Receive]] = []  # receives per stream, in schedule order
+        self._by_action: dict[int, _Receive] = {}  # id(receive action) -> its plan
+        self._sends: dict[int, _Send] = {}  # id(send action) -> its plan
         self._dispatch: dict[Op, Callable[[Action], None]] = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.WEIGHT: self._weight,
             Op.SEND_F: self._send_forward, Op.RECV_F: self._recv_forward,
@@ -222,26 +265,39 @@ class Executor:
         return self._now.mb_shapes[mb][b.index]
 
     @property
-    def _pool(self) -> dict[tuple[Any, ...], np.ndarray]:
-        """The receive buffers by message ([Note: receive buffers] in buffers.py)."""
-        return self.pool.buffers
+    def _pool(self) -> list[np.ndarray]:
+        """Every receive buffer ([Note: receive buffers] in buffers.py)."""
+        return self.pool.buffers()
 
-    def _wait(self, requests: list[Request], what: str) -> None:
+    def _wait(self, requests: list[Request], what: str | Callable[[], str]) -> None:
         """Waits for requests, polling so that a stall is diagnosed instead of hanging.
 
-        [Note: polling] The first 50 ms of a wait only yield the core between tests (no added
-        latency: a fixed sleep here cost ~1 ms per message); longer waits back off to 1 ms
+        [Note: polling] Each poll tests all requests in one call (MPI ``Testall``). For its first
+        `Group.spin` seconds a wait polls without pause, as MPI's own blocking wait does; then,
+        up to 50 ms, it yields the core between tests, and longer waits back off to 1 ms
         sleeps, so an idle rank does not starve a computing one on an oversubscribed host.
-        Each poll tests all requests in one call (MPI ``Testall``). A blocking ``Waitall`` after
-        a short spin measured no faster here (the two ranks' 256 KB ping-pong: 282 vs 264 us a
-        round trip) and could not notice a stall, so the polling stays.
+        The spin is 10 ms for a rank pinned to cores of its own and 0 otherwise
+        (`tfsmp.comm.mpi.spin_seconds`). Measured on this 2-core host while other jobs kept it
+        busy (load 10-12), the transfer benchmark's 2 ranks: pinned to a core each, yielding
+        between tests made a 256 KB ping-pong 6-25x slower than spinning (the scheduler runs
+        another process before the next test); unpinned (``--bind-to none``, as tfsmp's
+        launcher and the benchmarks run), spinning was 1.2-40x slower than yielding at every
+        size from 256 KB to 16 MB, the two ranks taking turns on one core. A blocking ``Waitall`` would save no time over the spin and could neither back
+        off nor let the watchdog's table show the wait. Only a wait past the spin tells the
+        watchdog (a few microseconds), and ``what`` may be a function, so that the common
+        short wait does not build its message.
         """
         if testall(requests):  # one MPI call for the common case: already there
             return
         start = time.monotonic()
+        spin_until = start + self.group.spin
+        while time.monotonic() < spin_until:
+            if testall(requests):
+                return
+        text = what if isinstance(what, str) else what()
         deadline = start + self.stall_timeout if self.stall_timeout > 0 else None
         if self.watchdog is not None:
-            self.watchdog.waiting(what)
+            self.watchdog.waiting(text)
         while True:
             now = time.monotonic()
             if now - start < 0.05:
@@ -253,7 +309,7 @@ class Executor:
             if deadline is not None and time.monotonic() > deadline:
                 message = (
                     f"{self.rank_tag} waited more than stall_timeout={self.stall_timeout}s for "
-                    f"{what} (action {self.current}). A peer rank is stuck or failed; see its "
+                    f"{text} (action {self.current}). A peer rank is stuck or failed; see its "
                     f"output. Raise stall_timeout in the config if steps are legitimately slow.")
                 if self.watchdog is not None:
                     self.watchdog.expire(message)  # prints every rank's action, aborts the job
@@ -306,20 +362,40 @@ class Executor:
             raise StepError(f"{self.rank_tag} {e}".strip()) from e
 
     def _post_receives(self) -> None:
+        """Posts the first receives of every stream ([Note: receives ahead])."""
         if self._receives is None:
             self._receives = self._plan_receives()
-        irecv, dynamic = self.group.irecv, self.shapes is not None
-        for r in self._receives:
-            buffers = [self.pool.buffer(k, b, self._shape(b, r.microbatch))
-                       for k, b in zip(r.pool_keys, r.boundaries)]
-            reqs = [irecv(wire(buf), r.src, tag) for buf, tag in zip(buffers, r.tags)]
-            pending = self._now.posted[r.key] = _Pending(r.boundaries, buffers, reqs)
-            if dynamic and not r.backward:
-                self._post_headers(pending, r.src, r.consumer, r.microbatch)
+        self.pool.begin_step()
+        for queue in self._queues:
+            self._post_ahead(queue[0])
 
-    def _plan_receives(self) -> list[_Receive]:
-        """The step's receives from other ranks, in schedule order ([Note: message plan])."""
-        out = []
+    def _post_ahead(self, r: _Receive) -> None:
+        """Posts the receives of ``r``'s stream up to `_AHEAD` - 1 past ``r``."""
+        queue, ahead = r.queue, self._now.ahead
+        done = ahead.get(id(queue), 0)
+        end = min(len(queue), r.position + _AHEAD)
+        if done >= end:
+            return
+        ahead[id(queue)] = end
+        irecv, dynamic, posted = self.group.irecv, self.shapes is not None, self._now.posted
+        buffer, dlpack = self.pool.buffer, self.pool.dlpack
+        for q in queue[done:end]:
+            buffers = [buffer(k, b, self._shape(b, q.microbatch))
+                       for k, b in zip(q.streams, q.boundaries)]
+            reqs = [irecv(wire(buf), q.src, tag) for buf, tag in zip(buffers, q.tags)]
+            aliased = [dlpack[b.index] for b in q.boundaries]
+            tensors = [pool_tensor(buf, True) if alias else None  # [Note: early tensors]
+                       for buf, alias in zip(buffers, aliased)]
+            pending = posted[q.key] = _Pending(q.boundaries, buffers, reqs, tensors,
+                                               not all(aliased))
+            if dynamic and not q.backward:
+                self._post_headers(pending, q.src, q.consumer, q.microbatch)
+
+    def _plan_receives(self) -> dict[_Key, _Receive]:
+        """The step's receives from other ranks, by key, each in its stream's queue in schedule
+        order ([Note: message plan])."""
+        out: dict[_Key, _Receive] = {}
+        queues: dict[tuple[Op, int, int], list[_Receive]] = {}
         for a in self.actions:
             op = a.op
             if op not in (Op.RECV_F, Op.RECV_B) or self._local(_peer(a)):
@@ -328,11 +404,15 @@ class Executor:
             peer, mb = _peer(a), _mb(a)
             producer, consumer = (a.stage, peer) if backward else (peer, a.stage)
             bs = self._pair(producer, consumer, backward)
-            out.append(_Receive(
+            queue = queues.setdefault((op, a.stage, peer), [])
+            r = _Receive(
                 (op, a.stage, peer, mb), bs,
-                [(op.value, a.stage, peer, mb, b.index) for b in bs],
+                [(op.value, a.stage, peer, b.index) for b in bs],
                 [self._tag(b, consumer, mb, backward) for b in bs],
-                self._rank(peer), consumer, mb, backward))
+                self._rank(peer), consumer, mb, backward, queue, len(queue))
+            queue.append(r)
+            out[r.key] = self._by_action[id(a)] = r
+        self._queues = list(queues.values())
         return out
 
     def _post_headers(self, pending: _Pending, src: int, consumer: int, mb: int) -> None:
@@ -356,26 +436,36 @@ class Executor:
                     f"{a.microbatch} with shape {got}; this rank's inputs give {want}. Feed every "
                     f"rank the same batches (same data, order and padding; seed any shuffling).")
 
-    def _transmit(self, backward: bool, stage: int, peer: int, mb: int, bs: list[Boundary],
-                  tensors: list[tf.Tensor], consumer: int) -> None:
-        """Sends ``tensors`` (activations, or gradients if ``backward``) from ``stage`` to the
-        receive of stage ``peer``: in memory when ``peer`` is on this rank."""
-        receive = Op.RECV_B if backward else Op.RECV_F  # the peer's action that takes them
-        if self._local(peer):
-            self._now.mailbox[(receive, peer, stage, mb)] = tensors
+    def _send_plan(self, a: Action) -> _Send:
+        """What the send ``a`` (SEND_F or SEND_B) sends, and where ([Note: message plan])."""
+        found = self._sends.get(id(a))
+        if found is None:
+            backward, peer, mb = a.op is Op.SEND_B, _peer(a), _mb(a)
+            producer, consumer = (peer, a.stage) if backward else (a.stage, peer)
+            bs = self._pair(producer, consumer, backward)
+            receive = Op.RECV_B if backward else Op.RECV_F  # the peer's action that takes them
+            found = self._sends[id(a)] = _Send(
+                bs, [b.index for b in bs],
+                (receive, peer, a.stage, mb) if self._local(peer) else None, self._rank(peer),
+                [self._tag(b, consumer, mb, backward) for b in bs],
+                [self.pool.dtypes[b.index] for b in bs],
+                self.shapes is not None and not backward and any(is_dynamic(b.shape) for b in bs),
+                peer, mb, consumer)
+        return found
+
+    def _transmit(self, s: _Send, tensors: list[tf.Tensor]) -> None:
+        """Sends ``tensors`` (activations or gradients) as ``s`` says: in memory when the peer
+        stage is on this rank, else each straight from the tensor's memory (`host_view`)."""
+        if s.mailbox is not None:
+            self._now.mailbox[s.mailbox] = tensors
             return
-        key = (receive, stage, peer, mb)
-        plan = self._send_tags.get(key)  # [Note: message plan]
-        if plan is None:
-            plan = self._send_tags[key] = (self._rank(peer), [
-                self._tag(b, consumer, mb, backward) for b in bs])
-        dest, tags = plan
-        dynamic = self.shapes is not None and not backward
-        isend, sends, dtypes = self.group.isend, self._now.sends, self.pool.dtypes
-        for b, t, tag in zip(bs, tensors, tags):
-            if dynamic and is_dynamic(b.shape):
-                self._send_header(b, t, peer, mb, consumer)
-            buf = wire(host_view(t, dtypes[b.index]))
+        if s.headers:
+            for b, t in zip(s.boundaries, tensors):
+                if is_dynamic(b.shape):
+                    self._send_header(b, t, s.peer, s.microbatch, s.consumer)
+        isend, sends, dest = self.group.isend, self._now.sends, s.dest
+        for t, tag, dtype in zip(tensors, s.tags, s.dtypes):
+            buf = wire(host_view(t, dtype))
             sends.append((isend(buf, dest, tag), buf))
 
     def _send_header(self, b: Boundary, t: tf.Tensor, peer: int, mb: int, consumer: int) -> None:
@@ -394,21 +484,30 @@ class Executor:
         self._now.sends.append((req, header))
 
     def _collect(self, a: Action) -> tuple[list[Boundary], list[tf.Tensor]]:
-        """What the receive ``a`` (RECV_F or RECV_B) takes: its boundaries and tensors."""
-        peer, mb, backward = _peer(a), _mb(a), a.op is Op.RECV_B
-        key = (a.op, a.stage, peer, mb)
-        if self._local(peer):
+        """What the receive ``a`` (RECV_F or RECV_B) takes: its boundaries and tensors.
+
+        [Note: early tensors] The tensor of a received buffer is made when its receive is
+        posted, not when the message is in: a DLPack tensor aliases the buffer without reading
+        it, and nothing reads it before this returns, so the conversion (about a microsecond)
+        happens while the rank waits rather than between a message's arrival and what the
+        rank does next. Types DLPack cannot carry are copied here, once received."""
+        r = self._by_action.get(id(a))
+        if r is None:  # the peer stage is on this rank: handed over in memory
+            peer, backward = _peer(a), a.op is Op.RECV_B
             producer, consumer = (a.stage, peer) if backward else (peer, a.stage)
-            return self._pair(producer, consumer, backward), self._now.mailbox.pop(key)
-        pending = self._now.posted.pop(key)
+            return (self._pair(producer, consumer, backward),
+                    self._now.mailbox.pop((a.op, a.stage, peer, _mb(a))))
+        self._post_ahead(r)  # [Note: receives ahead]
+        pending = self._now.posted.pop(r.key)
         if pending.header_requests:  # before the data, which a larger message would overrun
             self._check_headers(pending, a)
-        if not testall(pending.requests):  # the message text only for a wait that waits
-            self._wait(pending.requests, f"{'gradients' if backward else 'activations'} "
-                       f"of microbatch {mb} from stage {peer}")
+        self._wait(pending.requests, lambda: f"{'gradients' if r.backward else 'activations'} "
+                   f"of microbatch {r.microbatch} from stage {_peer(a)}")
+        if not pending.copied:
+            return pending.boundaries, pending.tensors
         tensor = self.pool.tensor  # pool buffers are aligned: `aligned_empty`
-        return pending.boundaries, [tensor(b, buf)
-                                    for b, buf in zip(pending.boundaries, pending.buffers)]
+        return pending.boundaries, [tensor(b, buf) if t is None else t for b, buf, t
+                                    in zip(pending.boundaries, pending.buffers, pending.tensors)]
 
     # -- handlers ------------------------------------------------------------------------------
 
@@ -448,10 +547,9 @@ class Executor:
         step.produced[(a.stage, i)] = {b.index: t for b, t in zip(prog.send, sends)}
 
     def _send_forward(self, a: Action) -> None:
-        peer, mb = _peer(a), _mb(a)
-        bs = self._pair(a.stage, peer, False)
-        out = self._now.produced[(a.stage, mb)]
-        self._transmit(False, a.stage, peer, mb, bs, [out[b.index] for b in bs], peer)
+        s = self._send_plan(a)
+        out = self._now.produced[(a.stage, s.microbatch)]
+        self._transmit(s, [out[i] for i in s.indices])
 
     def _recv_backward(self, a: Action) -> None:
         bs, ts = self._collect(a)
@@ -477,10 +575,9 @@ class Executor:
             self.programs[a.stage].weight(_mb(a))
 
     def _send_backward(self, a: Action) -> None:
-        peer, mb = _peer(a), _mb(a)
-        bs = self._pair(peer, a.stage, True)
-        out = self._now.grad_out[(a.stage, mb)]
-        self._transmit(True, a.stage, peer, mb, bs, [out[b.index] for b in bs], a.stage)
+        s = self._send_plan(a)
+        out = self._now.grad_out[(a.stage, s.microbatch)]
+        self._transmit(s, [out[i] for i in s.indices])
 
     def _reduce(self, a: Action) -> None:
         step = self._now
