@@ -17,12 +17,18 @@ from tests.mpihelp import SCRIPTS, assert_ok, run_cases
 pytestmark = pytest.mark.mpi
 
 CASES = ["case_p2d2_m4", "case_p2d2_m4_sharded", "case_p2d2_m1_sharded", "case_p1d4_m2_sharded"]
+SETTLED = "case_p1d4_m2_first_batch_of_one"
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(480)
 def test_late_weights_across_replicas_equal_plain_keras() -> None:
-    results = run_cases(4, SCRIPTS / "late_replica_cases.py", CASES, timeout=360)
+    results = run_cases(4, SCRIPTS / "late_replica_cases.py", [*CASES, SETTLED], timeout=420)
     assert_ok(results)
+    # a first batch of one row on four replicas: no hang, plain Keras's training, accumulators
+    for rank, r in results[SETTLED].items():
+        got = r["result"]
+        assert got["loss_ok"] and got["max_err"] <= 1.0, (rank, got)
+        assert not got["late"], rank
     for case in CASES:
         for rank, r in results[case].items():
             got = r["result"]

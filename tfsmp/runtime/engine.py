@@ -226,6 +226,8 @@ class Engine:
             self.skipped_steps += not applied
             result.microbatches = [mb]
             return result
+        if min(shape.replica_rows) == 0:
+            self.updates.settle_late_without_rows()
         self._configure_executors()
         if shape.microbatches == 0:  # this replica has no rows: it only takes part in the reductions
             return self.executors.idle(shape.step_microbatches).run(

@@ -292,6 +292,12 @@ class StageProgram:
         self._fused = self._compile_fn(self._fused_fn)
         self._direct = tf.function(self._direct_fn)
 
+    @property
+    def late_undecided(self) -> bool:
+        """Whether this stage would take linear layers' gradients at the step's end but has not
+        yet decided it (at its first forward)."""
+        return self.late and not self._late_decided
+
     def set_late(self, late: bool, microbatches: int) -> None:
         """Computes the linear layers' weight gradients at the step's end instead of
         accumulating them, where that holds less ([Note: weights at the step's end]; decided at

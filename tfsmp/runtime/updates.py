@@ -124,6 +124,18 @@ class Updates:
         self.late = late
         self._late_update = DirectUpdate(self.optimizer) if late else None
 
+    def settle_late_without_rows(self) -> None:
+        """A step in which some replica has no rows, before the stages decided on weights at
+        the step's end: every replica takes accumulators for good. The decision is made at a
+        stage's first forward, which a replica without rows does not run, so it could not know
+        which variables the others accumulate and their reductions would not match (a batch
+        smaller than the replica count, first thing in a job, hung). Every rank sees the same
+        step shape, so every replica settles alike."""
+        if self.late and self.replicas > 1 and any(p.late_undecided for p in self.programs.values()):
+            for prog in self.programs.values():
+                prog.set_late(False, self.microbatches * self.replicas)
+            self.late, self._late_update = False, None
+
     def apply(self, grads: Mapping[int, GradientState], factor: float, strict: bool = True
               ) -> None:
         """optimizer.apply_gradients of this step's gradients (read from the step's result,

@@ -42,7 +42,8 @@ def _data() -> tuple[np.ndarray, np.ndarray]:
             rng.standard_normal((STEPS * BATCH, WIDTH)).astype("float32"))
 
 
-def _train(config: dict[str, Any] | None) -> tuple[list[float], list[np.ndarray], Any]:
+def _train(config: dict[str, Any] | None, first_rows: int = BATCH
+           ) -> tuple[list[float], list[np.ndarray], Any]:
     x, y = _data()
     model = _model()
     engine = None
@@ -52,17 +53,17 @@ def _train(config: dict[str, Any] | None) -> tuple[list[float], list[np.ndarray]
         tfsmp.init({"optimize": "memory", **config})
         model = tfsmp.DistributedModel(model)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-    losses = [float(np.asarray(model.train_on_batch(x[i * BATCH:(i + 1) * BATCH],
-                                                    y[i * BATCH:(i + 1) * BATCH])))
-              for i in range(STEPS)]
+    # the first batch may have fewer rows (``first_rows``), fewer than the replicas even
+    bounds = [(0, first_rows)] + [(i * BATCH, (i + 1) * BATCH) for i in range(1, STEPS)]
+    losses = [float(np.asarray(model.train_on_batch(x[a:b], y[a:b]))) for a, b in bounds]
     if config is not None:
         engine = model._engine
     return losses, model.get_weights(), engine
 
 
-def _case(config: dict[str, Any]) -> dict[str, Any]:
-    ref_losses, ref, _ = _train(None)
-    losses, weights, engine = _train(config)
+def _case(config: dict[str, Any], first_rows: int = BATCH) -> dict[str, Any]:
+    ref_losses, ref, _ = _train(None, first_rows)
+    losses, weights, engine = _train(config, first_rows)
     errs = [float(np.max(np.abs(a - b) / (ATOL + RTOL * np.abs(b))))
             for a, b in zip(weights, ref)]
     accs = sum(int(np.prod(a.shape)) * 4 for p in engine.programs.values()
@@ -86,6 +87,12 @@ def case_p2d2_m1_sharded(ctx: Any) -> dict[str, Any]:
 
 def case_p1d4_m2_sharded(ctx: Any) -> dict[str, Any]:
     return _case({"partitions": 1, "microbatches": 2, "shard_optimizer_state": True})
+
+
+def case_p1d4_m2_first_batch_of_one(ctx: Any) -> dict[str, Any]:
+    """Three replicas have no rows in the first step, before the stages decided on weights at
+    the step's end: every replica keeps accumulators (this hung in the reductions)."""
+    return _case({"partitions": 1, "microbatches": 2}, first_rows=1)
 
 
 def teardown(ctx: Any) -> None:
