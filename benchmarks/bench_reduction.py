@@ -1,11 +1,13 @@
 """Benchmark 7, data-parallel reduction: tfsmp's MPI path vs its Horovod path vs raw MPI.
 
 Two ranks form one stage's data-parallel group (``partitions: 1, horovod: True``). Each model is
-wrapped in a `DistributedModel` and partitioned (one stage, its gradient accumulators built);
-then every arm sums the accumulators over the two ranks through the runtime's own
-`Engine._reduce`: arm A with ``horovod`` off (flatten into one numpy buffer, ``MPI_Allreduce``
-in place, assign back), arm B with it on (``hvd.grouped_allreduce`` of the variables, assign
-back); both also average BatchNormalization statistics where the model has them. Arm C is the
+wrapped in a `DistributedModel` and partitioned; one variable per trainable variable of its
+stage stands for that variable's gradient (what the runtime reduces where a stage keeps
+accumulators; linear layers at d > 1 take theirs at the step's end instead, [Note: late weights
+across replicas] in tfsmp/runtime/stage.py). Every arm sums them over the two ranks through the
+runtime's own code of `Reduction.reduce_stage`: arm A its MPI path (`Reduction.sum_`: 32 MiB
+buckets flattened into one numpy buffer, ``MPI_Allreduce`` in place, assigned back), arm B its
+Horovod path (``hvd.grouped_allreduce`` of the variables, assigned back). Arm C is the
 floor: one raw mpi4py ``Allreduce`` of a preallocated buffer of the gradients' total size. Rounds alternate A B C; times are
 medians over rounds.
 """
@@ -66,18 +68,29 @@ def _model(smp: Any, name: str, args: dict[str, Any]) -> dict[str, Any]:
     build, sample = _model_and_sample(name)
     model = smp.DistributedModel(build)
     model.compile(optimizer="sgd", loss="mse")
-    model.partition(sample)  # traced, planned, variables and gradient accumulators built
+    import tensorflow as tf
+
+    from tfsmp.runtime.reduction import Reduction
+
+    model.partition(sample)  # traced, planned, the stage's variables built
     engine = model._engine
-    accs = engine.programs[0].accumulators
+    accs = [tf.Variable(tf.ones(v.shape, dtype=v.dtype), trainable=False)
+            for v in engine.programs[0].trainable if v.dtype == "float32"]
     floats = sum(int(np.prod(a.shape)) for a in accs)
     flat = np.ones(floats, dtype=np.float32)
     comm = engine.comm.data.mpi_comm
+    mpi_path = Reduction(engine.comm.data)  # reduce_stage's MPI path
+    hvd = engine.reduction.horovod          # ... and its Horovod path
 
     def reduce_with(horovod: bool) -> float:
-        engine._horovod = horovod
         start = time.perf_counter()
         for _ in range(args["repeats"]):
-            engine._reduce(0)  # the runtime's own reduction of this stage's gradients
+            if horovod:
+                summed = hvd.grouped_allreduce([a.value() for a in accs], name="bench_grads")
+                for a, g in zip(accs, summed):
+                    a.assign(g)
+            else:
+                mpi_path.sum_(accs, "the benchmark's allreduce")
         return float(time.perf_counter() - start) / int(args["repeats"])
 
     def raw() -> float:

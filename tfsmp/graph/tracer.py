@@ -276,8 +276,15 @@ class TracedModel:
 
 
 def _dense_host(value: Any) -> bool:
-    """Whether ``value`` is a dense array NumPy can view (not a sparse or ragged tensor)."""
-    return isinstance(value, (np.ndarray, list, tuple, tf.Tensor))  # not sparse, not ragged
+    """Whether ``value`` is a dense numeric array NumPy can view (not a sparse or ragged
+    tensor). Strings and objects are converted on every rank, as every rank converted them
+    before [Note: what a rank converts]: a batch that cannot be converted then fails on every
+    rank alike, not only on the ranks that read it (the others would wait in the step)."""
+    if isinstance(value, tf.Tensor):
+        return bool(value.dtype.is_floating or value.dtype.is_integer or value.dtype.is_bool)
+    if isinstance(value, (np.ndarray, list, tuple)):  # not sparse, not ragged
+        return np.asarray(value).dtype.kind in "biuf"
+    return False
 
 
 def _adjust_rank_numpy(value: np.ndarray, spec: Any) -> np.ndarray:
