@@ -195,35 +195,24 @@ def load_weights_from_hdf5_group_by_name(f: Any, dm: Any, skip_mismatch: bool = 
                  skip_mismatch=skip_mismatch)
 
 
-_DISPATCH: tuple[tuple[Any, str, Callable[..., Any]], ...] = (
-    (saving_lib, "save_model", save_model),
-    (saving_lib, "save_weights_only", save_weights_only),
-    (saving_lib, "load_weights_only", load_weights_only),
-    (legacy_h5_format, "save_model_to_hdf5", save_model_to_hdf5),
-)
-# the model is their second argument (the open file is the first)
-_DISPATCH_SECOND: tuple[tuple[Any, str, Callable[..., Any]], ...] = (
-    (legacy_h5_format, "load_weights_from_hdf5_group", load_weights_from_hdf5_group),
+# (module, function, tfsmp's function, the position of the model among its arguments): the
+# legacy `.h5` readers take the open file first and the model second
+_DISPATCH: tuple[tuple[Any, str, Callable[..., Any], int], ...] = (
+    (saving_lib, "save_model", save_model, 0),
+    (saving_lib, "save_weights_only", save_weights_only, 0),
+    (saving_lib, "load_weights_only", load_weights_only, 0),
+    (legacy_h5_format, "save_model_to_hdf5", save_model_to_hdf5, 0),
+    (legacy_h5_format, "load_weights_from_hdf5_group", load_weights_from_hdf5_group, 1),
     (legacy_h5_format, "load_weights_from_hdf5_group_by_name",
-     load_weights_from_hdf5_group_by_name),
+     load_weights_from_hdf5_group_by_name, 1),
 )
 
 
-def _dispatch(original: Callable[..., Any], ours: Callable[..., Any]) -> Callable[..., Any]:
-    def dispatch(model: Any, *args: Any, **kwargs: Any) -> Any:
-        if _is_distributed(model):
-            return ours(model, *args, **kwargs)
-        return original(model, *args, **kwargs)
-
-    return _as_original(dispatch, original)
-
-
-def _dispatch_second(original: Callable[..., Any], ours: Callable[..., Any]
-                     ) -> Callable[..., Any]:
-    def dispatch(first: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        if _is_distributed(model):
-            return ours(first, model, *args, **kwargs)
-        return original(first, model, *args, **kwargs)
+def _dispatch(original: Callable[..., Any], ours: Callable[..., Any], position: int
+              ) -> Callable[..., Any]:
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        model = args[position] if len(args) > position else kwargs.get("model")
+        return (ours if _is_distributed(model) else original)(*args, **kwargs)
 
     return _as_original(dispatch, original)
 
@@ -240,11 +229,10 @@ def _as_original(dispatch: Callable[..., Any], original: Callable[..., Any]
 def install() -> None:
     """Puts the dispatch in front of Keras's saving functions ([Note: Keras's saving
     functions]); idempotent."""
-    for table, wrap in ((_DISPATCH, _dispatch), (_DISPATCH_SECOND, _dispatch_second)):
-        for module, name, ours in table:
-            current = getattr(module, name)
-            if getattr(current, _MARK, None) is None:
-                setattr(module, name, wrap(current, ours))
+    for module, name, ours, position in _DISPATCH:
+        current = getattr(module, name)
+        if getattr(current, _MARK, None) is None:
+            setattr(module, name, _dispatch(current, ours, position))
 
 
 # -- pickling -------------------------------------------------------------------------------
