@@ -198,7 +198,7 @@ class TracedModel:
         wanted = None if keys is None else set(keys)
         return {k: (self._convert(v, spec)
                     if (wanted is None or k in wanted) or not _dense_host(v)
-                    else _adjust_rank_numpy(np.asarray(v), spec))
+                    else _adjust_rank(np.asarray(v), spec))
                 for k, v, spec in zip(self.input_keys, flat, self.input_specs)}
 
     def pack_outputs(self, values: Iterable[Any], masks: Iterable[Any] | None = None) -> Any:
@@ -287,23 +287,15 @@ def _dense_host(value: Any) -> bool:
     return False
 
 
-def _adjust_rank_numpy(value: np.ndarray, spec: Any) -> np.ndarray:
-    """`_adjust_rank` of a NumPy array, as a view."""
-    rank, ref = value.ndim, tuple(spec.shape)
-    if rank == len(ref) + 1 and value.shape[-1] == 1:
-        return value[..., 0]
-    if rank == len(ref) - 1 and ref and ref[-1] == 1:
-        return value[..., None]
-    return value
-
-
 def _adjust_rank(value: Any, spec: Any) -> Any:
-    """Squeezes or expands a trailing axis of size 1, as `Functional` does."""
+    """Squeezes or expands a trailing axis of size 1, as `Functional` does (a NumPy array as a
+    view of itself, a tensor by Keras's ops)."""
     rank, ref = len(value.shape), tuple(spec.shape)
+    host = isinstance(value, np.ndarray)
     if rank == len(ref) + 1 and value.shape[-1] == 1:
-        return keras.ops.squeeze(value, axis=-1)
+        return value[..., 0] if host else keras.ops.squeeze(value, axis=-1)
     if rank == len(ref) - 1 and ref and ref[-1] == 1:
-        return keras.ops.expand_dims(value, axis=-1)
+        return value[..., None] if host else keras.ops.expand_dims(value, axis=-1)
     return value
 
 
