@@ -120,6 +120,28 @@ def test_activations_grow_with_held_microbatches_in_speed_mode() -> None:
     assert acts("interleaved", "memory")[0] >= 8 * 2 * 4 * MiB
 
 
+def test_a_recomputing_backward_holds_what_a_compiled_call_was_measured_to_hold() -> None:
+    # [Note: recomputed bytes] in tfsmp/graph/costs.py: memory mode's backward (and the fused
+    # last stage) price `recompute_bytes`; speed mode's stash keeps the taped figure
+    g = _chain(saved=4 * MiB)
+    plan = _even(g, 4)
+
+    def acts(optimize: str) -> list[int]:
+        s = MemorySettings(partitions=4, microbatches=8, pipeline="interleaved", batch_size=64,
+                           optimize=optimize)
+        return [r.activations for r in predict_memory(plan, g, s)]
+
+    memory, speed = acts("memory"), acts("speed")
+    for node in g:
+        if not node.is_input:
+            node.recompute_bytes = 3 * MiB
+    lower = acts("memory")
+    # 8 samples x 2 layers x (4 - 3) MiB less on each rank's recomputing backward
+    assert [a - b for a, b in zip(memory, lower)][:3] == [8 * 2 * MiB] * 3
+    assert acts("speed")[:3] == speed[:3]  # the stash and its backward: taped, unchanged
+    assert acts("speed")[3] < speed[3]  # the fused last stage is one compiled call
+
+
 def test_receive_buffers_hold_the_whole_batch_both_ways() -> None:
     g = _chain(width=1024)
     plan = _even(g, 2)

@@ -75,7 +75,7 @@ sample = {"token_ids": np.ones((4, seq), "int32"), "padding_mask": np.ones((4, s
 costs.resolve_dims(gpt, costs.input_shapes(gpt, sample))
 costs.measure_activations(gpt, sample)
 node = gpt.graph.nodes["transformer_layer_0"]
-print(json.dumps([node.activation_bytes, node.linear_bytes]))
+print(json.dumps([node.activation_bytes, node.linear_bytes, node.recompute_bytes]))
 """
 
 
@@ -92,7 +92,19 @@ def test_what_a_transformer_block_keeps_is_measured() -> None:
     out = subprocess.run([sys.executable, "-c", _GPT_BLOCK], capture_output=True, text=True,
                          env={**env, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    saved, linear = json.loads(out.stdout.strip().splitlines()[-1])
+    saved, linear, recompute = json.loads(out.stdout.strip().splitlines()[-1])
     seq, dim = 128, 256
     assert saved > 5 * seq * dim * 4  # far more than its output
     assert linear >= 2 * 6 * seq * dim * 4  # q, k, v, out and 2 feed-forward Dense layers
+    # [Note: recomputed bytes]: one compiled forward and backward holds more than the block's
+    # output per row, and less than the taped calls keep
+    assert 5 * seq * dim * 4 < recompute < saved
+
+
+def test_without_allocator_statistics_the_taped_figure_stands_for_the_compiled_one() -> None:
+    # the tests' conftest turns oneDNN off: no statistics, so nothing compiled is measured and
+    # the memory model reads `activation_bytes` for a recomputing backward
+    x = keras.Input((64,))
+    traced = trace(keras.Model(x, keras.layers.Dense(64, name="d")(x)))
+    costs.measure_activations(traced, np.ones((2, 64), "float32"))
+    assert traced.graph.nodes["d"].recompute_bytes == 0

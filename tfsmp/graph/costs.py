@@ -493,6 +493,15 @@ def measure_activations(traced: TracedModel, sample_input: Any, training: bool =
     and only operations and linear bytes are counted. Calls alike (`_signature`) are
     measured once and their outputs reused, so a model of 32 equal blocks materializes one.
 
+    [Note: recomputed bytes] Under ``optimize: memory`` a stage's backward recomputes its
+    forward inside one compiled call, and what that call holds per sample is less than what
+    the taped calls keep: GPT-2's blocks 26-31 MiB per row against 35-38 MiB taped (the memory
+    model was 12-17 % high on GPT-2 at one microbatch of 8 rows). So each call is also run
+    as a compiled forward and backward at the sample's rows and at twice as many: the growth
+    of its peak per added row is its ``recompute_bytes`` (the growth, because what does not
+    grow with the rows, its weight gradients, is priced apart: `GRADIENTS_IN_FLIGHT` in
+    tfsmp/partitioning/memory.py).
+
     Args:
         traced: the traced model (``graph.nodes[name].activation_bytes`` is updated).
         sample_input: a batch of model inputs (one or a few samples suffice).
@@ -513,18 +522,19 @@ def measure_activations(traced: TracedModel, sample_input: Any, training: bool =
     last_use = _last_use(traced)
     saved: dict[str, int] = {}
     for node in traced.graph:
-        node.ops = node.linear_bytes = 0
-    seen: dict[Any, tuple[int, int, int, list[Any]]] = {}
+        node.ops = node.linear_bytes = node.recompute_bytes = 0
+    seen: dict[Any, tuple[int, int, int, int, list[Any]]] = {}
     for i, call in enumerate(traced.calls):
         inputs = [env[k] for k in call.input_keys]
         variables = traced.variables_of([call.layer_name])
         key = _signature(call, inputs, variables)
         if key not in seen:
             seen[key] = _measure_call(tf, device, call, inputs, variables, training, batch)
-        held, ops, linear, outputs = seen[key]
+        held, ops, linear, recompute, outputs = seen[key]
         node = traced.graph.nodes[call.layer_name]
         node.ops += ops
         node.linear_bytes += linear
+        node.recompute_bytes += recompute
         saved[call.layer_name] = saved.get(call.layer_name, 0) + held
         env.update(zip(call.output_keys, outputs))
         for k in [k for k, last in last_use.items() if last == i]:
@@ -551,9 +561,10 @@ def _signature(call: Any, inputs: Sequence[Any], variables: Sequence[Any]) -> An
 
 
 def _measure_call(tf: Any, device: str, call: Any, inputs: list[Any], variables: list[Any],
-                  training: bool, batch: int) -> tuple[int, int, int, list[Any]]:
-    """(bytes kept per sample, forward graph operations, linear bytes per sample, outputs) of
-    one call, with its variables materialized for the measurement only."""
+                  training: bool, batch: int) -> tuple[int, int, int, int, list[Any]]:
+    """(bytes kept per sample, forward graph operations, linear bytes per sample, bytes per
+    sample of a compiled forward and backward, outputs) of one call, with its variables
+    materialized for the measurement only."""
     from tfsmp.graph.deferred import is_deferred, materialize, release
 
     def current() -> int:
@@ -569,9 +580,46 @@ def _measure_call(tf: Any, device: str, call: Any, inputs: list[Any], variables:
         held = current() - before
         del tape
         ops = len(run.get_concrete_function(*inputs).graph.get_operations())
-        return max(held, 0) // batch, ops, linear.total // batch, list(outputs)
+        recompute = _recompute_growth(tf, device, call, inputs, variables, training, batch)
+        return max(held, 0) // batch, ops, linear.total // batch, recompute, list(outputs)
     finally:
         release(fresh)
+
+
+def _recompute_growth(tf: Any, device: str, call: Any, inputs: list[Any], variables: list[Any],
+                      training: bool, batch: int) -> int:
+    """Per added row, the growth of the peak of one call's compiled forward and backward
+    ([Note: recomputed bytes]); 0 without allocator statistics."""
+    if not device:
+        return 0
+    trainable = [v for v in variables if v.trainable]
+
+    def forward_backward(*xs: Any) -> Any:
+        floats = [x for x in xs if x.dtype.is_floating]
+        with tf.GradientTape() as tape:
+            tape.watch(floats)
+            ys = _run_call(call, *xs, training=training)
+            loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32)) for y in ys
+                             if y.dtype.is_floating] or [tf.constant(0.0)])
+        grads = tape.gradient(loss, floats + trainable) if floats or trainable else []
+        return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads
+                         if g is not None and not isinstance(g, tf.IndexedSlices)]
+                        or [tf.constant(0.0)])
+
+    run = tf.function(forward_backward)
+
+    def peak(xs: list[Any]) -> int:
+        run(*xs)  # traced and run once: the measured run allocates only its tensors
+        try:
+            tf.config.experimental.reset_memory_stats(device)
+        except (ValueError, RuntimeError):  # an allocator without resettable statistics
+            return 0
+        before = int(tf.config.experimental.get_memory_info(device)["current"])
+        run(*xs)
+        return int(tf.config.experimental.get_memory_info(device)["peak"]) - before
+
+    doubled = [tf.concat([x, x], 0) if x.shape.rank else x for x in inputs]
+    return max(peak(doubled) - peak(inputs), 0) // batch
 
 
 class _LinearBytes:

@@ -122,6 +122,10 @@ class LayerNode:
             memory model prices ([Note: memory model] in tfsmp/partitioning/memory.py).
         linear_bytes: bytes per sample of the inputs and outputs of the Dense and EinsumDense
             layers its calls run (0: not measured): what a zero-bubble W keeps.
+        recompute_bytes: bytes per sample its calls hold in a compiled forward and backward,
+            the recomputing backward of ``optimize: memory`` (0: not measured; then
+            ``activation_bytes`` stands for it; [Note: recomputed bytes] in
+            tfsmp/graph/costs.py).
     """
 
     name: str
@@ -138,6 +142,7 @@ class LayerNode:
     layer: str = ""
     ops: int = 0
     linear_bytes: int = 0
+    recompute_bytes: int = 0
 
     @property
     def keras_layer(self) -> str:

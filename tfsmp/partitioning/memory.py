@@ -54,7 +54,9 @@ it holds at once during a step:
   else the layers' outputs), under ``optimize: memory`` only its model inputs (the rest is
   recomputed). A split stage (zero-bubble: B, then W later) holds, from B to W, each linear
   layer's input and output gradient. The working set of an action is one microbatch's full
-  activations for a backward (recomputed, or stashed) and for the fused last stage, plus the
+  activations for a backward (recomputed in one compiled call: ``recompute_bytes``, [Note:
+  recomputed bytes] in tfsmp/graph/costs.py; or stashed) and for the fused last stage (also
+  one compiled call), plus the
   gradients in flight: a few of the largest variable's size while accumulating or updating
   directly, all of the stage's weight gradients at once for a speed-mode backward (an eager
   ``tape.gradient``). The last stage keeps every microbatch's model outputs until the step ends
@@ -176,6 +178,9 @@ class StageMemory:
     ops: int = 0            # TensorFlow operations of its forward graph
     tied: int = 0           # trainable bytes of tied variables summed with other stages
     linear: int = 0         # trainable bytes of its linear layers (weights at the step's end)
+    # held per sample by its compiled forward and backward (a recomputing or fused call:
+    # [Note: recomputed bytes] in tfsmp/graph/costs.py); 0: ``saved_sample`` stands for it
+    recompute_sample: int = 0
     # per layer (and tied copy), its optimizer state and trainable bytes: the units replicas
     # split with sharded optimizer state ([Note: sharded state])
     optimizer_units: tuple[float, ...] = ()
@@ -237,6 +242,7 @@ def stage_memory(plan: StagePlan, graph: LayerGraph, stage: int,
         sent_sample=sum(b.bytes_per_sample for b in plan.send_boundaries(stage)),
         linear_sample=linear,
         peak_layer_sample=max((n.activation_bytes for n in nodes), default=0),
+        recompute_sample=sum(n.recompute_bytes or n.activation_bytes for n in nodes),
         copies=bool(copies) or any(stage in t.stages and t.copies > 1 for t in plan.ties),
         outputs_sample=sum(graph.tensors[k].bytes_per_sample for k in graph.outputs
                            if k in written or stage == plan.num_stages - 1),
@@ -360,7 +366,8 @@ class _ActivationWalk:
     def working(self, m: StageMemory, op: str) -> float:
         """The transient of one action beyond what is held."""
         grads = GRADIENTS_IN_FLIGHT * m.largest
-        full = self.b * (m.saved_sample + m.inputs_sample)
+        # a compiled forward and backward (recomputing, or the fused last stage)
+        full = self.b * ((m.recompute_sample or m.saved_sample) + m.inputs_sample)
         if op == "F":
             if m.stage == self.last:  # fused forward, loss and backward
                 return full + grads
@@ -496,6 +503,9 @@ def group_bytes(graph: LayerGraph, groups: Sequence[Sequence[str]], settings: Me
             state += kept - avoided
         inputs = sum(graph.tensors[k].bytes_per_sample for n in g for k in read.get(n, ()))
         saved = sum(n.activation_bytes for n in nodes)
-        fixed.append(state + b * (saved + inputs))
+        # a backward's working set: taped (speed) or compiled ([Note: recomputed bytes])
+        working = saved if s.optimize == "speed" else sum(
+            n.recompute_bytes or n.activation_bytes for n in nodes)
+        fixed.append(state + b * (working + inputs))
         held.append(b * ((saved + inputs) if s.optimize == "speed" else inputs))
     return fixed, held
