@@ -4,7 +4,8 @@
 linear layers keep no gradient accumulator; at the step's end every replica gathers the
 replicas' saved inputs and pre-activation gradients and computes each weight gradient for the
 whole batch inside its update (with sharded optimizer state only the owner updates, and the
-weight exchange gives the others its values). One launch of 4 ranks, 4 cases
+weight exchange gives the others its values). At one microbatch and one replica the same comes
+before a direct update where it pays ([Note: late before direct]). One launch of 4 ranks, 7 cases
 (tests/mpi/scripts/late_replica_cases.py); plain Keras is the reference.
 """
 
@@ -16,14 +17,23 @@ from tests.mpihelp import SCRIPTS, assert_ok, run_cases
 
 pytestmark = pytest.mark.mpi
 
-CASES = ["case_p2d2_m4", "case_p2d2_m4_sharded", "case_p2d2_m1_sharded", "case_p1d4_m2_sharded"]
+CASES = ["case_p2d2_m4", "case_p2d2_m4_sharded", "case_p2d2_m1_sharded", "case_p1d4_m2_sharded",
+         "case_p4_m1_late_before_direct"]
 SETTLED = "case_p1d4_m2_first_batch_of_one"
+DIRECT = "case_p4_m1_direct_where_late_does_not_pay"
 
 
 @pytest.mark.timeout(480)
 def test_late_weights_across_replicas_equal_plain_keras() -> None:
-    results = run_cases(4, SCRIPTS / "late_replica_cases.py", [*CASES, SETTLED], timeout=420)
+    results = run_cases(4, SCRIPTS / "late_replica_cases.py", [*CASES, SETTLED, DIRECT],
+                        timeout=420)
     assert_ok(results)
+    # [Note: late before direct]: at one microbatch and one replica a stage whose linear inputs
+    # outweigh its kernels updates inside its backward, with no accumulator at all
+    for rank, r in results[DIRECT].items():
+        got = r["result"]
+        assert got["loss_ok"] and got["max_err"] <= 1.0, (rank, got)
+        assert got["direct"] and not got["late"] and got["accumulator_bytes"] == 0, (rank, got)
     # a first batch of one row on four replicas: no hang, plain Keras's training, accumulators
     for rank, r in results[SETTLED].items():
         got = r["result"]

@@ -56,13 +56,18 @@ def test_state_is_weights_optimizer_slots_and_accumulators() -> None:
 
 
 def test_one_microbatch_updates_directly_and_keeps_no_accumulators() -> None:
-    g = _chain()
+    g = _chain()  # Dense layers of 1M parameters, 16 KiB of input and output per sample
     plan = _even(g, 2)
+    # a batch whose linear inputs and gradients outweigh the weights: a direct update
     for pipeline, direct in (("interleaved", True), ("simple", True), ("zb-h1", False)):
         ranks = predict_memory(plan, g, MemorySettings(partitions=2, microbatches=1,
-                                                       pipeline=pipeline))
+                                                       batch_size=4096, pipeline=pipeline))
         assert all(r.direct is direct for r in ranks), pipeline
         assert all((r.accumulators == 0) is direct for r in ranks), pipeline
+    # a small batch: late weights before the direct update ([Note: late before direct] in
+    # tfsmp/runtime/stage.py), no accumulators either (every variable is linear here)
+    late = predict_memory(plan, g, MemorySettings(partitions=2, microbatches=1, batch_size=8))
+    assert all(not r.direct and r.accumulators == 0 for r in late)
     skip = predict_memory(plan, g, MemorySettings(partitions=2, nonfinite="skip"))
     assert all(r.accumulators > 0 for r in skip)  # a skipped step must change nothing
 

@@ -275,8 +275,9 @@ def predict_memory(plan: StagePlan, graph: LayerGraph, settings: MemorySettings
     out = []
     for rank in range(s.partitions):
         mine = [stages[st] for st in run.stages(rank)]
-        direct = _direct(mine, run.direct_possible(rank), s)
         late = _late(mine, run.late_possible(rank), s)
+        # a stage takes late weights before a direct update ([Note: late before direct])
+        direct = _direct(mine, run.direct_possible(rank), s) and not late
         out.append(_rank(rank, mine, compute.get(rank, []), split, plan.num_stages - 1, s,
                          direct, late))
     return out
@@ -486,21 +487,23 @@ def group_bytes(graph: LayerGraph, groups: Sequence[Sequence[str]], settings: Me
         for n in graph.consumers(k):
             read.setdefault(n, set()).add(k)
     # [Note: weights at the step's end] in tfsmp/runtime/stage.py, decided per group here
-    late_ok = (not direct and s.direct is not False and s.microbatches > 1
-               and s.data_parallel == 1 and s.virtual_stages == 1
+    # (at one microbatch before a direct update: [Note: late before direct] in stage.py)
+    late_ok = (s.direct is not False and s.data_parallel == 1 and s.virtual_stages == 1
                and s.pipeline in ("interleaved", "simple") and s.nonfinite == "raise")
     fixed, held = [], []
     for g in groups:
         nodes = [graph.nodes[n] for n in g]
-        state = sum(n.param_bytes + (slots + (0 if direct else 1)) * n.trainable_param_bytes
-                    for n in nodes)
+        trainable = sum(n.trainable_param_bytes for n in nodes)
+        state = sum(n.param_bytes + slots * n.trainable_param_bytes for n in nodes)
         linear = [n for n in nodes if n.kind in _LINEAR or n.linear_bytes > 0]
         kept = s.batch_size * sum(n.linear_bytes or 2 * sum(
             graph.tensors[k].bytes_per_sample for k in graph.writes.get(n.name, ()))
             for n in linear)
         avoided = sum(n.trainable_param_bytes for n in linear)
         if late_ok and late_weights_pay(kept, avoided):
-            state += kept - avoided
+            state += kept + trainable - avoided  # the other variables' accumulators
+        elif not direct:
+            state += trainable  # an accumulator per variable
         inputs = sum(graph.tensors[k].bytes_per_sample for n in g for k in read.get(n, ()))
         saved = sum(n.activation_bytes for n in nodes)
         # a backward's working set: taped (speed) or compiled ([Note: recomputed bytes])

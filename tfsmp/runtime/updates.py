@@ -60,7 +60,7 @@ class Updates:
         self.counted = counted  # per variable: whether this rank counts it once in the job
         self.optimizer: Any = None
         self.bridge: OptimizerBridge | None = None
-        self.direct = False  # stages update inside their backward ([Note: direct update])
+        self._direct = False  # stages update inside their backward ([Note: direct update])
         self.late = False  # linear layers' gradients computed in the update at the step's end
         self._late_update: DirectUpdate | None = None
         # sharded optimizer state: positions in `unique` this replica owns (None: all of them)
@@ -80,6 +80,12 @@ class Updates:
             self.exchange = WeightExchange(self.variables, [id(v) in owned for v in self.variables],
                                            exchange_group, watch)
             self.clip_group = clip_group if clip_group is not None else group
+
+    @property
+    def direct(self) -> bool:
+        """Whether the stages update inside their backward ([Note: direct update]): where a
+        stage took late weights instead ([Note: late before direct] in stage.py), not."""
+        return self._direct and not any(p.late for p in self.programs.values())
 
     @property
     def variables(self) -> list[Any]:
@@ -113,7 +119,7 @@ class Updates:
         if self.possible:
             for prog in self.programs.values():
                 prog.set_update(DirectUpdate(self.optimizer) if direct else None)
-        self.direct = direct
+        self._direct = direct
         late = (self.late_possible and self.bridge is not None and self.bridge.plain
                 and DirectUpdate.possible_late(self.optimizer))
         if self.late_possible:

@@ -118,11 +118,12 @@ class RunPlan:
 
     def late_possible(self, rank: int) -> bool:
         """Whether ``rank``'s linear layers may take their weight gradients at the step's end
-        ([Note: weights at the step's end] in tfsmp/runtime/stage.py): `direct_possible` but
-        for the microbatch count, which is above one, or the replica count, which is above one
-        ([Note: late weights across replicas] in stage.py). The memory model asks the same."""
-        return ((self.num_microbatches > 1 or self.data_parallel > 1)
-                and len(self.stages(rank)) == 1
+        ([Note: weights at the step's end] in tfsmp/runtime/stage.py): `direct_possible` at
+        any microbatch and replica count ([Note: late weights across replicas] in stage.py);
+        at one of each, where both are possible, a stage takes late weights where they pay and
+        updates directly otherwise ([Note: late before direct] in stage.py). The memory model
+        asks the same."""
+        return (len(self.stages(rank)) == 1
                 and not (self.split_stages & set(self.stages(rank)))
                 and not self.tied and not self.xla and self.nonfinite == "raise")
 
