@@ -15,6 +15,7 @@ from tfsmp.partitioning.memory import (
     RUNTIME_BYTES,
     MemorySettings,
     cap_from_environment,
+    late_weights_pay,
     predict_memory,
     stage_counts,
 )
@@ -96,6 +97,17 @@ def test_several_microbatches_compute_linear_weight_gradients_at_the_steps_end()
     kept = ranks(direct=False)
     assert all(r.accumulators == 4 * layer for r in kept)
     assert max(r.total for r in late) < min(r.total for r in kept)
+
+
+def test_late_weights_pay_only_where_linear_variables_are_most_of_the_stage() -> None:
+    # held rows below the avoided accumulators, and the linear variables at least half the
+    # stage's trainable bytes (late weights' programs cost by operations: a convolution stage
+    # with one Dense head gained 0.8 MiB and paid 93-137 MiB)
+    assert late_weights_pay(1, 60, 100)
+    assert late_weights_pay(1, 50, 100)
+    assert not late_weights_pay(1, 49, 100)
+    assert not late_weights_pay(60, 60, 100)  # the rows weigh as much as the accumulators
+    assert not late_weights_pay(0, 60, 100)  # nothing linear was seen
 
 
 def test_schedules_hold_what_they_should() -> None:

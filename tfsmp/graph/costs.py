@@ -500,7 +500,9 @@ def measure_activations(traced: TracedModel, sample_input: Any, training: bool =
     as a compiled forward and backward at the sample's rows and at twice as many: the growth
     of its peak per added row is its ``recompute_bytes`` (the growth, because what does not
     grow with the rows, its weight gradients, is priced apart: `GRADIENTS_IN_FLIGHT` in
-    tfsmp/partitioning/memory.py).
+    tfsmp/partitioning/memory.py). That growth also counts the call's own backward temporaries,
+    of which only one layer's are alive at a time in a stage (ResNet50's layers: a median 2x
+    the taped figure), so the memory model reads the smaller of the two figures per layer.
 
     Args:
         traced: the traced model (``graph.nodes[name].activation_bytes`` is updated).

@@ -332,7 +332,8 @@ class StageProgram:
         per_mb = sum(_nbytes(shape, dtype) for shape, dtype in self._late_specs)
         avoided = sum(_nbytes(self.trainable[i].shape, tf.as_dtype(self.trainable[i].dtype))
                       for i in self._deferred)
-        if not late_weights_pay(per_mb * self._late_microbatches, avoided):
+        trainable = sum(_nbytes(v.shape, tf.as_dtype(v.dtype)) for v in self.trainable)
+        if not late_weights_pay(per_mb * self._late_microbatches, avoided, trainable):
             self.late = False
             if self.update is not None:  # it updates directly: no accumulators
                 return
