@@ -126,6 +126,8 @@ class _Receive:
     consumer: int
     microbatch: int
     backward: bool
+    aliased: list[bool]  # per boundary: its tensor aliases the buffer (DLPack), else a copy
+    wired: bool  # some boundary's type travels as unsigned ints (`wire`: bfloat16)
     queue: list[_Receive] = field(default_factory=list, compare=False, repr=False)  # its stream's
     position: int = 0  # its index in ``queue``
 
@@ -404,16 +406,16 @@ class Executor:
             return
         ahead[id(queue)] = end
         irecv, dynamic, posted = self.group.irecv, self.shapes is not None, self._now.posted
-        buffer, dlpack = self.pool.buffer, self.pool.dlpack
+        buffer = self.pool.buffer
         for q in queue[done:end]:
             buffers = [buffer(k, b, self._shape(b, q.microbatch))
                        for k, b in zip(q.streams, q.boundaries)]
-            reqs = [irecv(wire(buf), q.src, tag) for buf, tag in zip(buffers, q.tags)]
-            aliased = [dlpack[b.index] for b in q.boundaries]
+            reqs = [irecv(wire(buf) if q.wired else buf, q.src, tag)
+                    for buf, tag in zip(buffers, q.tags)]
             tensors = [pool_tensor(buf, True) if alias else None  # [Note: early tensors]
-                       for buf, alias in zip(buffers, aliased)]
+                       for buf, alias in zip(buffers, q.aliased)]
             pending = posted[q.key] = _Pending(q.boundaries, buffers, reqs, tensors,
-                                               not all(aliased))
+                                               not all(q.aliased))
             if dynamic and not q.backward:
                 self._post_headers(pending, q.src, q.consumer, q.microbatch)
 
@@ -435,7 +437,9 @@ class Executor:
                 len(out), bs,
                 [(op.value, a.stage, peer, b.index) for b in bs],
                 [self._tag(b, consumer, mb, backward) for b in bs],
-                self._rank(peer), consumer, mb, backward, queue, len(queue))
+                self._rank(peer), consumer, mb, backward,
+                [self.pool.dlpack[b.index] for b in bs],
+                any(wired(self.pool.dtypes[b.index]) for b in bs), queue, len(queue))
             queue.append(r)
             out[r.key] = self._by_action[id(a)] = r
         self._queues = list(queues.values())
