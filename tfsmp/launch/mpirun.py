@@ -192,7 +192,7 @@ def _local_flags(local_only: bool, extra_mpi_args: Sequence[str]) -> list[str]:
 # out of the sender's memory (its `smsc/cma` component, `process_vm_readv`), and that copy is
 # 1.7-2.8x faster when the sender's pages are 2 MB transparent huge pages rather than 4 KB ones
 # (measured on this project's 2-core host, a blocking ping-pong of 256 KB-16 MB: at 16 MB
-# 2.0 ms against 5.6 ms a message; the receiver's page size changed little). The pages a
+# 2.0 ms against 3.9-5.6 ms a message; the receiver's page size changed little). The pages a
 # pipeline sends are TensorFlow's tensors, which glibc's malloc places; with the kernel's usual
 # `transparent_hugepage=madvise` only memory marked with `madvise(MADV_HUGEPAGE)` gets huge
 # pages, which NumPy does for its arrays of 4 MB and more and TensorFlow never does. glibc's
