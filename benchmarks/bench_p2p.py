@@ -7,9 +7,25 @@ into the stream's ring of buffers, the tensor's own memory sent with ``Isend``, 
 completed by the executor's wait and handed on as a tensor aliasing its buffer, which the
 next action consumes (here: drops). Arm K is arm A with every received tensor kept to the
 step's end (so the step needs a buffer per message, as a stage stashing its inputs does).
-Arm B is the floor: blocking ``Send``/``Recv`` of preallocated numpy buffers of the same size,
-the same number of round trips. Throughput = bytes moved / time; the figure is the median over
-rounds of throughput(A) / throughput(B) (and K's beside it).
+Arm B is the floor: blocking ``Send``/``Recv`` of the same messages, the same number of round
+trips, out of the same tensor's memory into one preallocated buffer. Throughput = bytes moved /
+time; the figure is the median over rounds of throughput(A) / throughput(B) (and K's beside it).
+The job is launched as `tfsmp run` launches, with malloc on transparent huge pages ([Note: huge
+pages] in tfsmp/launch/mpirun.py); both arms alike.
+
+[Note: same memory] Every arm sends the memory of one tensor, ``payload`` (as a stage sends what
+its layers computed), and receives into 64-byte aligned buffers (`aligned_empty`, as the
+runtime's rings are), because on this host where a message's bytes lie changes a transfer more
+than anything the runtime does. Open MPI copies a large message once, out of the sender's pages
+(CMA); measured with raw blocking ping-pongs of NumPy buffers (2026-12-05): a sender on 2 MB
+huge pages was 1.7x (256 KB) to 2.8x (16 MB) faster than one on 4 KB pages, whatever the
+receiver's; and at 16 MB a receive buffer on another 64-byte offset than the send buffer cost
+1.4-1.5x. Until then arm B sent from and received into NumPy arrays: NumPy asks for huge pages
+for arrays of 4 MB and more and aligns to 16 bytes, TensorFlow's allocator does neither, so at
+4-16 MB arm B measured huge pages against the runtime's 4 KB ones (0.74-0.76 and 0.45-0.56 of it sending
+from a TensorFlow tensor instead, in one job), which no runtime code can change; a raw mpi4py
+pipeline sends tensors too. The pages are the launcher's business (the note above), for
+runtime and raw code alike.
 """
 
 from __future__ import annotations
@@ -33,7 +49,9 @@ def settings(quick: bool) -> dict[str, Any]:
 
 def run(quick: bool) -> dict[str, Any]:
     args = settings(quick)
-    result = launch(2, "bench_p2p", "worker", args, timeout=600)
+    from tfsmp.launch.mpirun import huge_page_env
+
+    result = launch(2, "bench_p2p", "worker", args, timeout=600, env=huge_page_env({}))
     result["settings"] = args
     return result
 
@@ -55,9 +73,12 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _size(comm: Any, group: Any, size: int, k: int, rounds: int) -> dict[str, Any]:
-    ex = _transfer_executor(group, size // 4, k)
-    kept = _transfer_executor(group, size // 4, k, keep=True)
-    raw = _RawPingPong(comm, size // 4)
+    import tensorflow as tf
+
+    payload = tf.ones((1, size // 4), dtype=tf.float32)  # what every arm sends: [Note: same memory]
+    ex = _transfer_executor(group, size // 4, k, payload=payload)
+    kept = _transfer_executor(group, size // 4, k, keep=True, payload=payload)
+    raw = _RawPingPong(comm, payload)
     ex.step(), kept.step(), raw.step(k)  # warm up (buffers, MPI connections, TF kernels)
     a: list[float] = []
     c: list[float] = []
@@ -78,14 +99,17 @@ def _size(comm: Any, group: Any, size: int, k: int, rounds: int) -> dict[str, An
 
 
 class _RawPingPong:
-    """Blocking mpi4py buffer ping-pong between ranks 0 and 1."""
+    """Blocking mpi4py buffer ping-pong between ranks 0 and 1: sends out of ``payload``'s own
+    memory into one 64-byte aligned buffer ([Note: same memory])."""
 
-    def __init__(self, comm: Any, floats: int) -> None:
+    def __init__(self, comm: Any, payload: Any) -> None:
         import numpy as np
 
+        from tfsmp.runtime.buffers import aligned_empty, host_view
+
         self.comm = comm
-        self.send = np.ones(floats, dtype=np.float32)
-        self.recv = np.empty(floats, dtype=np.float32)
+        self.send = host_view(payload, np.dtype(np.float32))
+        self.recv = aligned_empty(tuple(payload.shape), np.dtype(np.float32))
 
     def step(self, k: int) -> float:
         start = time.perf_counter()
@@ -101,9 +125,10 @@ class _RawPingPong:
 
 
 def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = None,
-                       keep: bool = False) -> Any:
+                       keep: bool = False, payload: Any = None) -> Any:
     """An executor whose schedule is only the transfers of ``k`` microbatches over one
-    boundary of ``floats`` float32 values per microbatch (one row of that width).
+    boundary of ``floats`` float32 values per microbatch (one row of that width), each
+    message ``payload`` (a tensor of that shape; default ones).
     ``executor_module`` replaces `tfsmp.runtime.executor` (to measure a prototype).
 
     Each received tensor is dropped after its receive, as the stage's FORWARD or BACKWARD that
@@ -128,7 +153,8 @@ def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = N
         actions = [a for i in range(k) for a in (Action(0, Op.SEND_F, i, 1), Action(0, Op.RECV_B, i, 1))]
     else:
         actions = [a for i in range(k) for a in (Action(1, Op.RECV_F, i, 0), Action(1, Op.SEND_B, i, 0))]
-    payload = tf.ones((1, floats), dtype=tf.float32)
+    if payload is None:
+        payload = tf.ones((1, floats), dtype=tf.float32)
 
     class TransferOnly(Executor):  # type: ignore[misc,valid-type]
         """The runtime executor with every compute result replaced by ``payload``."""

@@ -15,6 +15,7 @@ from tfsmp.launch import cli
 from tfsmp.launch.cmd_horovod import BUILD_ENV, build_env, patch_xla_sources
 from tfsmp.launch.cmd_run import parse_distribution
 from tfsmp.launch.mpirun import (
+    HUGE_PAGE_TUNABLE,
     build_mpirun_command,
     find_mpirun,
     fresh_session,
@@ -67,6 +68,20 @@ def test_config_and_env_are_exported_with_x() -> None:
         "mpirun", "-np", "2", *BINDING, "--tag-output",
         "-x", "FOO=1", "-x", "PATH", "-x", 'SM_HP_MP_PARAMETERS={"partitions": 2}',
         "--mca", "btl", "self,vader", PY, "-m", "mpi4py", "t.py"]
+
+
+def test_huge_pages_export_malloc_s_tunable_beside_the_user_s_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    argv = build(2, ["t.py"], as_root=False, huge_pages=True)
+    assert argv[argv.index("-x") + 1] == f"GLIBC_TUNABLES={HUGE_PAGE_TUNABLE}"
+    assert "-x" not in build(2, ["t.py"], as_root=False)  # not asked: nothing exported
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")  # the launcher's own: kept
+    argv = build(2, ["t.py"], as_root=False, huge_pages=True)
+    assert f"GLIBC_TUNABLES=glibc.malloc.arena_max=2:{HUGE_PAGE_TUNABLE}" in argv
+    argv = build(2, ["t.py"], as_root=False, huge_pages=True,
+                 env={"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})  # the user chose: theirs
+    assert [a for a in argv if a.startswith("GLIBC")] == ["GLIBC_TUNABLES=glibc.malloc.hugetlb=0"]
 
 
 def test_hostfile_and_hosts_and_no_auto_oversubscribe_with_hosts() -> None:

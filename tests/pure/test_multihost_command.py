@@ -26,7 +26,7 @@ from tfsmp.launch.hosts import (
     parse_hosts,
     total_slots,
 )
-from tfsmp.launch.mpirun import build_mpirun_command
+from tfsmp.launch.mpirun import HUGE_PAGE_TUNABLE, build_mpirun_command
 from tfsmp.launch.rankguard import message
 
 # /proc/net/route of a host with a default route on ens5 and 10.77.0.0/24 on eth0.
@@ -172,9 +172,13 @@ def test_tfsmp_run_hosts_sets_np_host_env_and_interface(
 
 
 def test_tfsmp_run_on_one_host_forwards_nothing_extra(
-        capsys: pytest.CaptureFixture[str], launcher_env: None) -> None:
+        capsys: pytest.CaptureFixture[str], launcher_env: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     argv = _dry_run(capsys, "-np", "2")
-    assert _exported(argv) == [] and "--host" not in argv and "btl_tcp_if_include" not in argv
+    # only malloc's huge pages ([Note: huge pages] in tfsmp/launch/mpirun.py)
+    assert _exported(argv) == [f"GLIBC_TUNABLES={HUGE_PAGE_TUNABLE}"]
+    assert "--host" not in argv and "btl_tcp_if_include" not in argv
 
 
 def test_tfsmp_run_hostfile_takes_np_from_slots_and_sm_interface(

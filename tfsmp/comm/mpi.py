@@ -115,12 +115,12 @@ class MpiGroup(Group):
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> MpiRequest:
         check_buffer(buf)
         self.check_peer(dest, "dest")
-        return MpiRequest(self.mpi_comm.Isend(buf, dest=dest, tag=tag))
+        return MpiRequest(self.mpi_comm.Isend(buf, dest, tag))
 
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> MpiRequest:
         check_buffer(buf, writable=True)
         self.check_peer(source, "source")
-        return MpiRequest(self.mpi_comm.Irecv(buf, source=source, tag=tag))
+        return MpiRequest(self.mpi_comm.Irecv(buf, source, tag))
 
     def isend_obj(self, obj: Any, dest: int, tag: int = 0, *, sync: bool = False) -> MpiRequest:
         self.check_peer(dest, "dest")

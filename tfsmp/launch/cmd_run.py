@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         extra_mpi_args=[*dist_mpi_args, *shlex.split(args.mpi_args or "")],
         tag_output=args.tag_output, mpirun=find_mpirun(), network_interface=interface,
         rank_guard=bool(hosts) or bool(getattr(args, "max_restarts", 0)),
-        rank_prefix=cap_prefix, local_only=not hosts)
+        rank_prefix=cap_prefix, local_only=not hosts, huge_pages=True)
     if args.dry_run:
         print(shlex.join(argv))
         return 0

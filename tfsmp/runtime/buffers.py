@@ -20,14 +20,20 @@ import tensorflow as tf
 
 from tfsmp.partitioning.plan import Boundary
 
-__all__ = ["ReceivePool", "aligned_empty", "as_tensor", "held", "host_view", "pool_tensor", "wire"]
+__all__ = ["ReceivePool", "aligned_empty", "as_tensor", "held", "host_view", "pool_tensor", "wire",
+           "wired"]
 
 
 def wire(buf: np.ndarray) -> np.ndarray:
     """A view MPI can move: ml_dtypes types (bfloat16) travel as unsigned ints of equal size."""
-    if buf.dtype.kind in "biufc":
+    if not wired(buf.dtype):
         return buf
     return buf.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[buf.dtype.itemsize])
+
+
+def wired(dtype: np.dtype[Any]) -> bool:
+    """Whether `wire` views arrays of ``dtype`` as another type (MPI knows no ml_dtypes)."""
+    return dtype.kind not in "biufc"
 
 
 def host_view(t: tf.Tensor, dtype: np.dtype[Any] | None = None) -> np.ndarray:

@@ -60,6 +60,7 @@ from tfsmp.runtime.buffers import (
     host_view,
     pool_tensor,
     wire,
+    wired,
 )
 from tfsmp.runtime.dynamic_shapes import BoundaryShapes, is_dynamic
 from tfsmp.runtime.hooks import Head, LastStage, StageResult, StepHooks, StepMode
@@ -117,7 +118,7 @@ def _peer(a: Action) -> int:
 class _Receive:
     """One receive action's messages, computed once per executor ([Note: message plan])."""
 
-    key: _Key  # (receive op, stage, peer, microbatch), as in `_Step.posted`
+    key: int  # its index among the executor's receives: its key in `_Step.posted`
     boundaries: list[Boundary]
     streams: list[tuple[Any, ...]]  # each boundary's ring in the pool: (op, stage, peer, index)
     tags: list[int]
@@ -125,6 +126,8 @@ class _Receive:
     consumer: int
     microbatch: int
     backward: bool
+    aliased: list[bool]  # per boundary: its tensor aliases the buffer (DLPack), else a copy
+    wired: bool  # some boundary's type travels as unsigned ints (`wire`: bfloat16)
     queue: list[_Receive] = field(default_factory=list, compare=False, repr=False)  # its stream's
     position: int = 0  # its index in ``queue``
 
@@ -139,6 +142,7 @@ class _Send:
     dest: int
     tags: list[int]
     dtypes: list[np.dtype[Any]]
+    wired: bool  # some boundary's type travels as unsigned ints (`wire`: bfloat16)
     headers: bool  # some boundary's shape is known only at run time ([Note: dynamic boundaries])
     peer: int
     microbatch: int
@@ -166,7 +170,7 @@ class _Step:
     head: Head | None
     result: StepResult
     mb_shapes: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
-    posted: dict[_Key, _Pending] = field(default_factory=dict)
+    posted: dict[int, _Pending] = field(default_factory=dict)  # by `_Receive.key`
     ahead: dict[int, int] = field(default_factory=dict)  # id(stream queue) -> receives posted
     mailbox: dict[_Key, list[tf.Tensor]] = field(default_factory=dict)
     received: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
@@ -178,6 +182,7 @@ class _Step:
 
 _POOL_SHAPES = 4  # distinct shapes per stream whose rings a dynamic-shape executor keeps
 _AHEAD = 2  # receives of a stream posted before waiting for the first ([Note: receives ahead])
+_YIELD = 0.05  # seconds a wait yields the core between tests before it sleeps ([Note: polling])
 
 
 class Executor:
@@ -227,7 +232,7 @@ class Executor:
         self.pool = ReceivePool(plan.boundaries, _POOL_SHAPES * sum(
             len(self._pair(*((stage, peer) if backward else (peer, stage)), backward))
             for backward, stage, peer in streams), dynamic=shapes is not None)
-        self._receives: dict[_Key, _Receive] | None = None  # on first use: subclasses may add
+        self._receives: dict[int, _Receive] | None = None  # on first use: subclasses may add
         self._queues: list[list[_Receive]] = []  # receives per stream, in schedule order
         self._by_action: dict[int, _Receive] = {}  # id(receive action) -> its plan
         self._sends: dict[int, _Send] = {}  # id(send action) -> its plan
@@ -237,6 +242,8 @@ class Executor:
             Op.SEND_B: self._send_backward, Op.RECV_B: self._recv_backward,
             Op.REDUCE: self._reduce, Op.STEP: self._apply,
         }
+        self._bound: tuple[list[Action] | None, list[tuple[Action, Callable[[Action], None]]]] = (
+            None, [])  # `_handlers`: (the actions, each with its handler)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -282,10 +289,13 @@ class Executor:
         between tests made a 256 KB ping-pong 6-25x slower than spinning (the scheduler runs
         another process before the next test); unpinned (``--bind-to none``, as tfsmp's
         launcher and the benchmarks run), spinning was 1.2-40x slower than yielding at every
-        size from 256 KB to 16 MB, the two ranks taking turns on one core. A blocking ``Waitall`` would save no time over the spin and could neither back
-        off nor let the watchdog's table show the wait. Only a wait past the spin tells the
-        watchdog (a few microseconds), and ``what`` may be a function, so that the common
-        short wait does not build its message.
+        size from 256 KB to 16 MB, the two ranks taking turns on one core. A blocking
+        ``Waitall`` would save no time over the spin and could neither back off nor let the
+        watchdog's table show the wait. The watchdog hears of a wait, and ``what`` (which may
+        be a function) is built, only once the wait leaves the yield phase: the executor times
+        its stalls itself, a table of a 50 ms wait would say nothing a stall's table does not,
+        and building the text and writing the status record (a few microseconds) in every
+        wait that is over within a message's time would cost more than the wait.
         """
         if testall(requests):  # one MPI call for the common case: already there
             return
@@ -294,16 +304,26 @@ class Executor:
         while time.monotonic() < spin_until:
             if testall(requests):
                 return
+        yield_until = start + _YIELD
+        while True:
+            os.sched_yield()
+            if testall(requests):
+                return
+            if time.monotonic() > yield_until:
+                break
+        self._wait_long(requests, what, start)
+
+    def _wait_long(self, requests: list[Request], what: str | Callable[[], str],
+                   start: float) -> None:
+        """`_wait` past its yield phase: tells the watchdog, sleeps between tests, and raises
+        (or has the watchdog abort the job) past `stall_timeout`."""
         text = what if isinstance(what, str) else what()
         deadline = start + self.stall_timeout if self.stall_timeout > 0 else None
         if self.watchdog is not None:
             self.watchdog.waiting(text)
         while True:
             now = time.monotonic()
-            if now - start < 0.05:
-                os.sched_yield()
-            else:
-                time.sleep(min(1e-3, (now - start) / 50))
+            time.sleep(min(1e-3, (now - start) / 50))
             if testall(requests):
                 return
             if deadline is not None and time.monotonic() > deadline:
@@ -336,15 +356,16 @@ class Executor:
         if dog is not None:
             dog.step_begin()
         self._post_receives()
-        for action in self.actions:
+        tracer = self.tracer
+        for action, handler in self._handlers():
             self.current = action
             if dog is not None:
                 dog.update(action)
-            if self.tracer is not None:
-                with self.tracer.event(str(action), action.op.value):
-                    self._dispatch[action.op](action)
+            if tracer is not None:
+                with tracer.event(str(action), action.op.value):
+                    handler(action)
             else:
-                self._dispatch[action.op](action)
+                handler(action)
         self.current = "waiting for sends"
         self._wait([r for r, _ in step.sends], "sends to complete")
         step.sends.clear()
@@ -354,6 +375,13 @@ class Executor:
             for s in self.programs:
                 self._stage_result(s)
         return step.result
+
+    def _handlers(self) -> list[tuple[Action, Callable[[Action], None]]]:
+        """Each action with its handler, looked up once per executor: an `Op` hashes in Python,
+        which a dispatch per action would pay each step ([Note: message plan])."""
+        if self._bound[0] is not self.actions:
+            self._bound = (self.actions, [(a, self._dispatch[a.op]) for a in self.actions])
+        return self._bound[1]
 
     def _resolve_shapes(self, microbatches: list[MicroBatch]) -> list[dict[int, tuple[int, ...]]]:
         try:
@@ -378,23 +406,23 @@ class Executor:
             return
         ahead[id(queue)] = end
         irecv, dynamic, posted = self.group.irecv, self.shapes is not None, self._now.posted
-        buffer, dlpack = self.pool.buffer, self.pool.dlpack
+        buffer = self.pool.buffer
         for q in queue[done:end]:
             buffers = [buffer(k, b, self._shape(b, q.microbatch))
                        for k, b in zip(q.streams, q.boundaries)]
-            reqs = [irecv(wire(buf), q.src, tag) for buf, tag in zip(buffers, q.tags)]
-            aliased = [dlpack[b.index] for b in q.boundaries]
+            reqs = [irecv(wire(buf) if q.wired else buf, q.src, tag)
+                    for buf, tag in zip(buffers, q.tags)]
             tensors = [pool_tensor(buf, True) if alias else None  # [Note: early tensors]
-                       for buf, alias in zip(buffers, aliased)]
+                       for buf, alias in zip(buffers, q.aliased)]
             pending = posted[q.key] = _Pending(q.boundaries, buffers, reqs, tensors,
-                                               not all(aliased))
+                                               not all(q.aliased))
             if dynamic and not q.backward:
                 self._post_headers(pending, q.src, q.consumer, q.microbatch)
 
-    def _plan_receives(self) -> dict[_Key, _Receive]:
+    def _plan_receives(self) -> dict[int, _Receive]:
         """The step's receives from other ranks, by key, each in its stream's queue in schedule
         order ([Note: message plan])."""
-        out: dict[_Key, _Receive] = {}
+        out: dict[int, _Receive] = {}
         queues: dict[tuple[Op, int, int], list[_Receive]] = {}
         for a in self.actions:
             op = a.op
@@ -406,10 +434,12 @@ class Executor:
             bs = self._pair(producer, consumer, backward)
             queue = queues.setdefault((op, a.stage, peer), [])
             r = _Receive(
-                (op, a.stage, peer, mb), bs,
+                len(out), bs,
                 [(op.value, a.stage, peer, b.index) for b in bs],
                 [self._tag(b, consumer, mb, backward) for b in bs],
-                self._rank(peer), consumer, mb, backward, queue, len(queue))
+                self._rank(peer), consumer, mb, backward,
+                [self.pool.dlpack[b.index] for b in bs],
+                any(wired(self.pool.dtypes[b.index]) for b in bs), queue, len(queue))
             queue.append(r)
             out[r.key] = self._by_action[id(a)] = r
         self._queues = list(queues.values())
@@ -449,6 +479,7 @@ class Executor:
                 (receive, peer, a.stage, mb) if self._local(peer) else None, self._rank(peer),
                 [self._tag(b, consumer, mb, backward) for b in bs],
                 [self.pool.dtypes[b.index] for b in bs],
+                any(wired(self.pool.dtypes[b.index]) for b in bs),
                 self.shapes is not None and not backward and any(is_dynamic(b.shape) for b in bs),
                 peer, mb, consumer)
         return found
@@ -465,7 +496,7 @@ class Executor:
                     self._send_header(b, t, s.peer, s.microbatch, s.consumer)
         isend, sends, dest = self.group.isend, self._now.sends, s.dest
         for t, tag, dtype in zip(tensors, s.tags, s.dtypes):
-            buf = wire(host_view(t, dtype))
+            buf = wire(host_view(t, dtype)) if s.wired else host_view(t, dtype)
             sends.append((isend(buf, dest, tag), buf))
 
     def _send_header(self, b: Boundary, t: tf.Tensor, peer: int, mb: int, consumer: int) -> None:
@@ -513,8 +544,9 @@ class Executor:
 
     def _recv_forward(self, a: Action) -> None:
         bs, ts = self._collect(a)
-        self._now.received.setdefault((a.stage, _mb(a)), {}).update(
-            (b.index, t) for b, t in zip(bs, ts))
+        got = self._now.received.setdefault((a.stage, _mb(a)), {})
+        for b, t in zip(bs, ts):
+            got[b.index] = t
 
     def _forward(self, a: Action) -> None:
         step, i = self._now, _mb(a)
