@@ -66,11 +66,13 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     mine = {
         "variables": int(model.held_variable_bytes()),
         "optimizer": _bytes(model.optimizer.variables),
-        "accumulators": _bytes(model._engine.accumulators),
+        # every stage's gradient accumulators (placeholders of late weights are empty)
+        "accumulators": _bytes([a for prog in model._engine.programs.values()
+                                for a in prog.grads.accumulators]),
         "rss_before_model": before, "peak_rss": tfhelp.peak_rss_bytes(),
     }
-    total_vars = _bytes(model._source_model().weights)
-    trainable = _bytes(model._source_model().trainable_weights)
+    total_vars = _bytes(model.source_model().weights)
+    trainable = _bytes(model.source_model().trainable_weights)
     ranks = tfhelp.world().gather(mine, root=0)
     if ranks is None:
         return {}
