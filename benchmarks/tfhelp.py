@@ -23,6 +23,7 @@ __all__ = [
     "batch_step_time",
     "concurrency_efficiency",
     "dense_stack",
+    "fit_step_clocks",
     "fit_step_times",
     "make_data",
     "peak_rss_bytes",
@@ -86,14 +87,16 @@ def _step_timer() -> Any:
     import keras
 
     class StepTimer(keras.callbacks.Callback):  # type: ignore[misc]
-        """Records the time at the end of every training batch."""
+        """Records the wall-clock and process CPU time at the end of every training batch."""
 
         def __init__(self) -> None:
             super().__init__()
             self.ends: list[float] = []
+            self.cpu_ends: list[float] = []
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             self.ends.append(time.perf_counter())
+            self.cpu_ends.append(time.process_time())
 
     return StepTimer()
 
@@ -103,11 +106,18 @@ def fit_step_times(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int, st
     """Seconds of ``steps`` steady-state `fit` steps: one ``fit`` call of ``steps + 1`` batches;
     a step's time is the interval between consecutive batch ends, so the call's own set-up
     (data adapter, callbacks) and the first batch are excluded."""
+    return fit_step_clocks(model, x, y, batch_size, steps)[0]
+
+
+def fit_step_clocks(model: Any, x: np.ndarray, y: np.ndarray, batch_size: int, steps: int
+                    ) -> tuple[list[float], list[float]]:
+    """`fit_step_times` and the same steps' process CPU seconds (every thread's: TensorFlow's
+    pools included), which other jobs on the machine disturb far less than wall-clock time."""
     timer = _step_timer()
     model.fit(x[: (steps + 1) * batch_size], y[: (steps + 1) * batch_size], batch_size=batch_size,
               epochs=1, steps_per_epoch=steps + 1, shuffle=False, verbose=0, callbacks=[timer])
-    ends = timer.ends
-    return [b - a for a, b in itertools.pairwise(ends)]
+    return ([b - a for a, b in itertools.pairwise(timer.ends)],
+            [b - a for a, b in itertools.pairwise(timer.cpu_ends)])
 
 
 def peak_rss_bytes() -> int:

@@ -147,3 +147,33 @@ def test_the_finiteness_check_is_exact_even_when_a_sum_overflows() -> None:
     assert not bool(check([tf.ones([2]), inf]))
     assert not bool(check([sparse]))
     assert bool(check([]))
+
+
+@pytest.mark.parametrize("metrics", [None, {"cls": ["accuracy"]}])
+def test_a_steps_logs_are_keras_get_metrics_result_and_keras_fits_logs(metrics: Any) -> None:
+    """[Note: logs in the loss means' call] in tfsmp/keras/trainer_metrics.py: without compiled
+    metrics the loss means' compiled call returns the logs; with them, Keras's method is read
+    after their update. Either way: Keras's keys, in its order, and plain Keras's values."""
+    x, y = cases.data("multiio", 2 * cases.BATCH)  # several outputs: a loss Mean per output
+    try:
+        _init()
+        ref = cases.build("multiio")
+        dm = smp.DistributedModel(cases.build("multiio"))
+        dm.set_weights(ref.get_weights())
+        hist = []
+        for model in (ref, dm):
+            model.compile(optimizer=cases.optimizer_of(True), loss=cases.loss_of("multiio"),
+                          metrics=metrics)
+            hist.append(model.fit(x, y, batch_size=cases.BATCH, shuffle=False, verbose=0).history)
+        logs = dm.train_function(iter([(cases.rows(x, 0, cases.BATCH),
+                                        cases.rows(y, 0, cases.BATCH))]))
+        read = dm.get_metrics_result()
+        means = dm.train_function.__self__.metrics
+        assert means._loss_key[0] is (metrics is None)  # the logs came from the compiled call
+    finally:
+        smp.shutdown()
+    assert list(logs) == list(read)
+    assert all(float(logs[k]) == float(read[k]) for k in read)
+    assert list(hist[0]) == list(hist[1])
+    for k in hist[0]:
+        np.testing.assert_allclose(hist[1][k], hist[0][k], rtol=cases.RTOL, atol=cases.ATOL)

@@ -25,6 +25,7 @@ from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfsmp.errors import StepError
 from tfsmp.runtime import microbatch as mbatch
@@ -185,10 +186,11 @@ def keras_input_rank(model: Any, x: Any) -> Any:
 
 def _to_rank(value: Any, ref: Any) -> Any:
     shape, want = tuple(getattr(value, "shape", ()) or ()), tuple(ref.shape)
-    if not shape or not isinstance(value, np.ndarray):
+    host = isinstance(value, np.ndarray)  # a view of the array; a dense tensor keeps its buffer
+    if not shape or not (host or isinstance(value, tf.Tensor)):
         return value
     if len(shape) == len(want) - 1 and want[-1] == 1:
-        return np.expand_dims(value, -1)
+        return np.expand_dims(value, -1) if host else keras.ops.expand_dims(value, -1)
     if len(shape) == len(want) + 1 and shape[-1] == 1:
-        return np.squeeze(value, -1)
+        return np.squeeze(value, -1) if host else keras.ops.squeeze(value, -1)
     return value

@@ -79,32 +79,52 @@ class TrainerMetrics:
         self.model = model
         self._update_fn: Any = None
         self._loss_fn: Any = None  # `_update_losses`'s compiled call, for the metrics of
-        self._loss_key: tuple[int, ...] = ()
+        self._loss_key: tuple[Any, ...] = ()
 
     def after_step(self, view: Any, result: Any, x: Any, y: Any, sw: Any) -> dict[str, Any]:
         """Updates every metric with the step that just ran; returns Keras's logs."""
         model = self.model
         rows = mbatch.batch_size_of(x)
-        self._update_losses(result, rows)
-        self._update_compiled(view, result, y, sw)
-        logs: dict[str, Any] = model.get_metrics_result()
+        # [Note: logs in the loss means' call]
+        last = model.compiled_metrics_object() is None
+        logs: dict[str, Any] | None = self._update_losses(result, rows, read=last)
+        if logs is None:
+            self._update_compiled(view, result, y, sw)
+            logs = model.get_metrics_result()
         return logs
 
-    def _update_losses(self, result: Any, rows: int) -> None:
+    def _update_losses(self, result: Any, rows: int, read: bool = False
+                       ) -> dict[str, Any] | None:
         """The loss tracker's and each output's loss Mean's update with this step's values, in
         one compiled call (as Keras's train step updates them in its graph; run eagerly, their
-        ops cost about a millisecond of a step's Python)."""
-        metrics = [self.model.loss_tracker(), *self.model.compiled_loss_metrics()]
+        ops cost about a millisecond of a step's Python). With ``read``, the same call returns
+        Keras's logs (``get_metrics_result()``), else None.
+
+        [Note: logs in the loss means' call] Keras's train step reads its metrics' results in
+        the graph that updated them; read eagerly after the update, each Mean's result is a few
+        eager ops, and a `tf.function` call pays its argument matching again each step (together
+        about half a millisecond of Python a step, on this machine). So when no compiled metric
+        is updated after the loss means (a model compiled without metrics), their compiled call
+        also returns ``get_metrics_result()``, and it is called as the concrete function of its
+        one signature. Keras's own method computes the same ops in the graph, so the logs are
+        the same values, under the same keys in the same order."""
+        model = self.model
+        metrics = [model.loss_tracker(), *model.compiled_loss_metrics()]
         values = [result.loss, *result.term_values][:len(metrics)]
         if any(v is None for v in values):
             for metric, value in zip(metrics, values):
                 metric.update_state(value, sample_weight=rows)
-            return
-        key = tuple(id(m) for m in metrics[:len(values)])
+            return None
+        updated = metrics[:len(values)]
+        key = (read, *(id(m) for m in (model.metrics if read else updated)))
         if self._loss_key != key:
             self._loss_key = key
-            self._loss_fn = tf.function(functools.partial(_update_means, metrics[:len(values)]))
-        self._loss_fn(tf.constant(values, tf.float32), tf.constant(rows, tf.float32))
+            fn = tf.function(functools.partial(_update_means, updated,
+                                               model.get_metrics_result if read else None))
+            self._loss_fn = fn.get_concrete_function(
+                tf.TensorSpec([len(values)], tf.float32), tf.TensorSpec([], tf.float32))
+        logs = self._loss_fn(tf.constant(values, tf.float32), tf.constant(rows, tf.float32))
+        return dict(logs) if read else None
 
     def _update_compiled(self, view: Any, result: Any, y: Any, sw: Any) -> None:
         compiled = self.model.compiled_metrics_object()
@@ -191,6 +211,7 @@ def _same_error(kind: str, message: str) -> Exception:
                      f"{kind}: {message}")
 
 
-def _update_means(metrics: list[Any], values: tf.Tensor, rows: tf.Tensor) -> None:
+def _update_means(metrics: list[Any], read: Any, values: tf.Tensor, rows: tf.Tensor) -> Any:
     for j, metric in enumerate(metrics):
         metric.update_state(values[j], sample_weight=rows)
+    return read() if read is not None else None

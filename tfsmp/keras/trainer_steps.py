@@ -42,14 +42,11 @@ __all__ = ["TrainerSteps", "agree_finished"]
 _EXHAUSTED = (StopIteration, tf.errors.OutOfRangeError)
 
 
-def _numpy(structure: Any) -> Any:
-    """Tensors of a batch as NumPy arrays (a CPU tensor's ``.numpy()`` shares its buffer)."""
-    return tf.nest.map_structure(
-        lambda t: t.numpy() if isinstance(t, tf.Tensor) else t, structure)
-
-
 def _unpack(data: Any, model: DistributedModel) -> tuple[Any, Any, Any]:
-    x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(_numpy(data))
+    """``(x, y, sample_weight)`` of a batch Keras's iterator yielded, as it yielded them: its
+    tensors go to the step as they are (a round trip through NumPy copied the batch twice, about
+    a millisecond of a step at batch 256)."""
+    x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
     return keras_input_rank(model.source_model(), x), y, sw
 
 
