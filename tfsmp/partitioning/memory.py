@@ -81,7 +81,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tfsmp.graph.ir import LayerGraph, optimizer_slots
+from tfsmp.graph.ir import LayerGraph, LayerNode, optimizer_slots
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.partitioning.shards import exchange_bytes, largest_share
 from tfsmp.partitioning.ties import copy_memory
@@ -260,7 +260,7 @@ def stage_memory(plan: StagePlan, graph: LayerGraph, stage: int,
     )
 
 
-def _recomputed(node: Any) -> int:
+def _recomputed(node: LayerNode) -> int:
     """Bytes per sample a layer holds in a compiled forward and backward ([Note: recomputed
     bytes] in tfsmp/graph/costs.py): the smaller of two figures that both bound it from above,
     the compiled call's growth (which also counts the call's own backward temporaries: for
@@ -268,7 +268,7 @@ def _recomputed(node: Any) -> int:
     and what the taped call keeps (for GPT-2's blocks 1.2x the compiled growth)."""
     if node.recompute_bytes:
         return min(node.recompute_bytes, node.activation_bytes)
-    return int(node.activation_bytes)
+    return node.activation_bytes
 
 
 def predict_memory(plan: StagePlan, graph: LayerGraph, settings: MemorySettings
