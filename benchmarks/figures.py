@@ -150,8 +150,9 @@ def _reduction(r: dict[str, Any]) -> Figures:
 
 def _memory_model(r: dict[str, Any]) -> Figures:
     """Worst |predicted / measured - 1| in percent: per (model, pipeline) over its unsharded
-    rows, per row (``.mM``, ``.sharded``), per (pipeline, m, sharding) over the models, and
-    over everything (``memory_model.worst_pct``)."""
+    rows, per row (``.mM``, ``.sharded``), per (pipeline, m, sharding) over the models, per
+    model and sharding (``.unsharded``, ``.sharded``), and over everything
+    (``memory_model.worst_pct``)."""
     out: Figures = {}
 
     def worst(key: str, value: float) -> None:
@@ -168,8 +169,11 @@ def _memory_model(r: dict[str, Any]) -> Figures:
             worst(f"memory_model.{row['pipeline']}.m{row['m']}{tail}.worst_pct", pct)
         if tail:
             worst("memory_model.sharded.worst_pct", pct)
+        worst(f"memory_model.{row['model']}{tail or '.unsharded'}.worst_pct", pct)
         worst(f"memory_model.{row['model']}.worst_pct", pct)
         worst("memory_model.worst_pct", pct)
+    if "memory_model.worst_pct" in out:  # the goal is within 10 % on every rank
+        out["memory_model.missed_by_pct"] = max(out["memory_model.worst_pct"] - 10.0, 0.0)
     return out
 
 
