@@ -597,13 +597,7 @@ def _recompute_growth(tf: Any, device: str, call: Any, inputs: list[Any], variab
     trainable = [v for v in variables if v.trainable]
 
     def forward_backward(*xs: Any) -> Any:
-        floats = [x for x in xs if x.dtype.is_floating]
-        with tf.GradientTape() as tape:
-            tape.watch(floats)
-            ys = _run_call(call, *xs, training=training)
-            loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32)) for y in ys
-                             if y.dtype.is_floating] or [tf.constant(0.0)])
-        grads = tape.gradient(loss, floats + trainable) if floats or trainable else []
+        grads = _gradients(tf, call, list(xs), trainable, training)
         return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads
                          if g is not None and not isinstance(g, tf.IndexedSlices)]
                         or [tf.constant(0.0)])
@@ -673,21 +667,25 @@ def _last_use(traced: TracedModel) -> dict[str, int]:
     return last
 
 
+def _gradients(tf: Any, call: Any, inputs: list[Any], trainable: list[Any], training: bool
+               ) -> list[Any]:
+    """One call's forward under a tape and the gradients of its floating outputs' sum for its
+    floating inputs and ``trainable`` variables (none when it has neither)."""
+    floats = [x for x in inputs if x.dtype.is_floating]
+    with tf.GradientTape() as tape:
+        tape.watch(floats)
+        ys = _run_call(call, *inputs, training=training)
+        loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32)) for y in ys
+                         if y.dtype.is_floating] or [tf.constant(0.0)])
+    return list(tape.gradient(loss, floats + trainable)) if floats or trainable else []
+
+
 def _time_call(tf: Any, call: Any, env: dict[str, Any], variables: list[Any],
                training: bool, repeats: int) -> float:
     trainable = [v for v in variables if v.trainable]
 
     def step() -> None:
-        local = {k: env[k] for k in call.input_keys}
-        floats = [x for x in local.values() if x.dtype.is_floating]
-        with tf.GradientTape() as tape:
-            tape.watch(floats)
-            call.run(local, training)
-            ys = [local[k] for k in call.output_keys]
-            loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32)) for y in ys
-                             if y.dtype.is_floating] or [tf.constant(0.0)])
-        if floats or trainable:
-            tape.gradient(loss, floats + trainable)
+        _gradients(tf, call, [env[k] for k in call.input_keys], trainable, training)
 
     step()
     best = math.inf

@@ -179,7 +179,7 @@ class StageMemory:
     tied: int = 0           # trainable bytes of tied variables summed with other stages
     linear: int = 0         # trainable bytes of its linear layers (weights at the step's end)
     # held per sample by its compiled forward and backward (a recomputing or fused call:
-    # [Note: recomputed bytes] in tfsmp/graph/costs.py); 0: ``saved_sample`` stands for it
+    # [Note: recomputed bytes] in tfsmp/graph/costs.py; `_recomputed`)
     recompute_sample: int = 0
     # per layer (and tied copy), its optimizer state and trainable bytes: the units replicas
     # split with sharded optimizer state ([Note: sharded state])
@@ -379,7 +379,7 @@ class _ActivationWalk:
         """The transient of one action beyond what is held."""
         grads = GRADIENTS_IN_FLIGHT * m.largest
         # a compiled forward and backward (recomputing, or the fused last stage)
-        full = self.b * ((m.recompute_sample or m.saved_sample) + m.inputs_sample)
+        full = self.b * (m.recompute_sample + m.inputs_sample)
         if op == "F":
             if m.stage == self.last:  # fused forward, loss and backward
                 return full + grads

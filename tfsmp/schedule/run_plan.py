@@ -110,11 +110,9 @@ class RunPlan:
 
     def direct_possible(self, rank: int) -> bool:
         """Whether ``rank``'s stages may update inside their backward, if the optimizer allows
-        ([Note: one description of the run]); when not, they keep accumulators."""
-        return (self.num_microbatches == 1 and self.data_parallel == 1
-                and len(self.stages(rank)) == 1
-                and not (self.split_stages & set(self.stages(rank)))
-                and not self.tied and not self.xla and self.nonfinite == "raise")
+        ([Note: one description of the run]); when not, they keep accumulators: where late
+        weights are possible, at one microbatch and one replica."""
+        return self.num_microbatches == 1 and self.data_parallel == 1 and self.late_possible(rank)
 
     def late_possible(self, rank: int) -> bool:
         """Whether ``rank``'s linear layers may take their weight gradients at the step's end
