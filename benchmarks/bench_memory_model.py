@@ -205,7 +205,7 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     from tfsmp.config import load_config
     from tfsmp.graph import costs
     from tfsmp.graph.tracer import trace
-    from tfsmp.partitioning.memory import MemorySettings, predict_memory
+    from tfsmp.partitioning.memory import MemorySettings, predict_memory, step_microbatches
     from tfsmp.runtime.setup import make_plan
 
     d = int(args.get("replicas", 1))
@@ -221,7 +221,8 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     with open(args["plan_file"], "w") as f:
         f.write(plan.to_json())
     ranks = predict_memory(plan, traced.graph, MemorySettings(
-        partitions=cfg.partitions, microbatches=cfg.microbatches, pipeline=cfg.pipeline,
+        partitions=cfg.partitions, microbatches=step_microbatches(cfg.microbatches, batch // d),
+        pipeline=cfg.pipeline,
         virtual_stages=cfg.chunks, batch_size=batch // d, data_parallel=d,
         optimize=cfg.optimize, optimizer="adam", baseline=int(args["baseline"]),
         shard_optimizer_state=bool(cfg.shard_optimizer_state)))

@@ -8,7 +8,10 @@ import random
 import graphs
 import pytest
 
-from tfsmp.partitioning.memory import EXCHANGE_COPIES, MemorySettings, predict_memory
+from tfsmp.config import load_config
+from tfsmp.partitioning.memory import (EXCHANGE_COPIES, TIE_GRADIENT_COPIES, MemorySettings,
+                                        predict_memory, settings_of, stage_memory,
+                                        step_microbatches)
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.partitioning.shards import BUCKET_BYTES, exchange_bytes, largest_share, owners, split
 
@@ -97,3 +100,29 @@ def test_memory_model_predicts_each_replicas_share_of_the_optimizer_state(optimi
     one = predict_memory(plan, g, MemorySettings(**{**base, "data_parallel": 1},
                                                  shard_optimizer_state=True))
     assert [r.optimizer for r in one] == [f.optimizer for f in full]  # one replica: no effect
+
+
+def test_the_exchange_and_the_tied_sum_hold_their_host_copies_in_turn() -> None:
+    # [Note: host copies in turn]: the step's end sums the tied copies' gradients, then
+    # updates, then exchanges the weights; each frees its host copies before the next
+    g = graphs.tied_embedding(n=4, params=4_000_000)  # a 16 MB embedding, tied to the head
+    plan = StagePlan.from_assignment(
+        g, {"emb": 0, "l0": 0, "l1": 0, "l2": 1, "l3": 1, "head": 1, "tail": 1}, 2)
+    base = dict(partitions=2, microbatches=2, batch_size=8, optimizer="adam", data_parallel=2)
+    full = predict_memory(plan, g, MemorySettings(**base))
+    half = predict_memory(plan, g, MemorySettings(**base, shard_optimizer_state=True))
+    for f, h in zip(full, half):
+        stage = stage_memory(plan, g, f.rank, "adam")
+        tied_sum = TIE_GRADIENT_COPIES * stage.tied
+        exchange = EXCHANGE_COPIES * exchange_bytes(list(stage.trainable_units))
+        assert tied_sum > 0 and exchange > 0
+        assert h.buffers - f.buffers == max(tied_sum, exchange) - tied_sum
+
+
+def test_a_replica_with_fewer_rows_than_microbatches_runs_one_microbatch_a_row() -> None:
+    # as `Batching.step_shape` splits a batch: 8 microbatches of 4 rows run as 4 of one row
+    assert step_microbatches(8, 4) == 4
+    assert step_microbatches(4, 64) == 4
+    assert step_microbatches(4, 0) == 1
+    config = load_config({"partitions": 2, "microbatches": 8}, world_size=2)
+    assert settings_of(config, "adam", batch_size=4).microbatches == 4

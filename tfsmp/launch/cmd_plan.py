@@ -152,7 +152,8 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
     from tfsmp.graph import costs
     from tfsmp.graph.tracer import trace
     from tfsmp.launch.memcap import parse_size
-    from tfsmp.partitioning.memory import BASELINE_BYTES, MemorySettings, predict_memory
+    from tfsmp.partitioning.memory import (BASELINE_BYTES, MemorySettings, predict_memory,
+                                           step_microbatches)
     from tfsmp.partitioning.memory_plan import what_fits
     from tfsmp.partitioning.planner import plan_graph
     from tfsmp.partitioning.report import format_memory
@@ -166,7 +167,9 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
 
     pipeline = args.pipeline or "interleaved"
     settings = MemorySettings(
-        partitions=args.partitions, microbatches=args.microbatches or 1,
+        partitions=args.partitions,
+        microbatches=(step_microbatches(args.microbatches or 1, args.batch_size)
+                      if args.batch_size else args.microbatches or 1),
         pipeline=pipeline, virtual_stages=get(pipeline).chunks_for(1),
         batch_size=args.batch_size or 1,
         optimize=args.optimize, optimizer=optimizer,
