@@ -9,9 +9,15 @@ import graphs
 import pytest
 
 from tfsmp.config import load_config
-from tfsmp.partitioning.memory import (EXCHANGE_COPIES, TIE_GRADIENT_COPIES, MemorySettings,
-                                        predict_memory, settings_of, stage_memory,
-                                        step_microbatches)
+from tfsmp.partitioning.memory import (
+    EXCHANGE_COPIES,
+    TIE_GRADIENT_COPIES,
+    MemorySettings,
+    predict_memory,
+    settings_of,
+    stage_memory,
+    step_microbatches,
+)
 from tfsmp.partitioning.plan import StagePlan
 from tfsmp.partitioning.shards import BUCKET_BYTES, exchange_bytes, largest_share, owners, split
 

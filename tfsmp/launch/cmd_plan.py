@@ -152,8 +152,12 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
     from tfsmp.graph import costs
     from tfsmp.graph.tracer import trace
     from tfsmp.launch.memcap import parse_size
-    from tfsmp.partitioning.memory import (BASELINE_BYTES, MemorySettings, predict_memory,
-                                           step_microbatches)
+    from tfsmp.partitioning.memory import (
+        BASELINE_BYTES,
+        MemorySettings,
+        predict_memory,
+        step_microbatches,
+    )
     from tfsmp.partitioning.memory_plan import what_fits
     from tfsmp.partitioning.planner import plan_graph
     from tfsmp.partitioning.report import format_memory

@@ -346,7 +346,7 @@ def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], spl
         buffers += int(min(bucket, accumulators))  # late linear layers reduce no gradient
     # the step's end runs the tied copies' sum, then the update, then the weight exchange:
     # their host copies come one after another ([Note: host copies in turn])
-    in_turn = TIE_GRADIENT_COPIES * sum(m.tied for m in mine)
+    in_turn = float(TIE_GRADIENT_COPIES * sum(m.tied for m in mine))
     if s.shard_optimizer_state and s.data_parallel > 1:  # [Note: sharded state]
         optimizer = int(largest_share([u for m in mine for u in m.optimizer_units],
                                       s.data_parallel))
