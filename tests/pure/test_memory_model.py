@@ -11,12 +11,15 @@ import pytest
 
 from tfsmp.partitioning.contiguous import MemoryLimits, split_within_memory
 from tfsmp.partitioning.memory import (
+    ALLOCATOR_SLACK,
     BASELINE_BYTES,
+    DIRECT_OP_BYTES,
     RUNTIME_BYTES,
     MemorySettings,
     cap_from_environment,
     late_weights_pay,
     predict_memory,
+    recomputed_bytes,
     stage_counts,
 )
 from tfsmp.partitioning.memory_plan import what_fits
@@ -275,3 +278,37 @@ def test_memory_report_says_whether_it_fits_and_what_would() -> None:
     assert "does not fit 100.0 MiB per rank: rank 0" in text
     assert "would fit: partitions=4 (largest rank 0.1 GiB)" in text
     assert "nothing tried fits" in format_memory(ranks, cap=100 * MiB)
+
+
+def test_a_stage_recomputes_the_smaller_of_its_layers_figures_and_what_gradients_keep() -> None:
+    # [Note: kept bytes] in tfsmp/graph/costs.py: summed per layer, each layer's compiled growth
+    # counts its own backward temporaries; what gradients keep plus one layer's temporaries at
+    # a time is the other bound
+    g = _chain(n=4, saved=4 * MiB)
+    nodes = [n for n in g if not n.is_input]
+    assert recomputed_bytes(nodes) == 4 * 4 * MiB  # nothing compiled measured: taped
+    for n in nodes:
+        n.recompute_bytes = 6 * MiB  # 2 MiB of temporaries beyond the taped 4
+    assert recomputed_bytes(nodes) == 4 * 4 * MiB  # no kept bytes measured: min(6, 4) each
+    for n in nodes:
+        n.kept_bytes = 2 * MiB  # half the taped figure is an output no gradient keeps
+    assert recomputed_bytes(nodes) == 4 * 2 * MiB + 4 * MiB  # kept + one layer's 6 - 2
+    for n in nodes:  # a compiled call that prunes what the taped one keeps (GPT-2's blocks)
+        n.recompute_bytes, n.kept_bytes = 3 * MiB, 7 * MiB // 2
+    assert recomputed_bytes(nodes) == 4 * 3 * MiB
+
+
+def test_a_direct_update_program_costs_more_host_memory_per_operation() -> None:
+    g = _chain(n=2)
+    for n in g:  # convolutions: no late weights, so one microbatch updates directly
+        if not n.is_input:
+            n.ops, n.kind = 1000, "Conv2D"
+    plan = _even(g, 1)
+    settings = dict(partitions=1, microbatches=1, batch_size=8, optimizer="adam")
+    (direct,) = predict_memory(plan, g, MemorySettings(**settings, direct=True))
+    (kept,) = predict_memory(plan, g, MemorySettings(**settings, direct=False))
+    assert direct.direct and not kept.direct
+    slack = ALLOCATOR_SLACK * (kept.total - kept.baseline - kept.buffers
+                               - (direct.total - direct.baseline - direct.buffers))
+    assert direct.baseline - kept.baseline == pytest.approx(
+        DIRECT_OP_BYTES * 2000 - slack, abs=2)

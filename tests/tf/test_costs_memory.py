@@ -108,3 +108,43 @@ def test_without_allocator_statistics_the_taped_figure_stands_for_the_compiled_o
     traced = trace(keras.Model(x, keras.layers.Dense(64, name="d")(x)))
     costs.measure_activations(traced, np.ones((2, 64), "float32"))
     assert traced.graph.nodes["d"].recompute_bytes == 0
+
+
+_CONV_BN_RELU = """
+import json, numpy as np, keras
+from tfsmp.graph import costs
+from tfsmp.graph.tracer import trace
+x = keras.Input((32, 32, 16))
+y = keras.layers.Conv2D(16, 3, padding="same", name="conv")(x)
+y = keras.layers.BatchNormalization(name="bn")(y)
+y = keras.layers.ReLU(name="relu")(y)
+y = keras.layers.Conv2D(16, 3, padding="same", name="conv2")(y)
+traced = trace(keras.Model(x, y))
+costs.measure_activations(traced, np.ones((8, 32, 32, 16), "float32"))
+print(json.dumps({n.name: [n.activation_bytes, n.kept_bytes] for n in traced.graph
+                  if not n.is_input}))
+"""
+
+
+def test_what_a_compiled_backward_keeps_leaves_out_outputs_no_gradient_needs() -> None:
+    # [Note: kept bytes] in tfsmp/graph/costs.py: a batch normalization keeps its input (the
+    # convolution's output) but no gradient keeps its own output (a ReLU's reads the ReLU's
+    # output), so the kept bytes count the convolution's output and the ReLU's, not the
+    # normalization's; the taped figure counts every output. Its own process, with oneDNN's
+    # allocator statistics (as in the test above).
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+    out = subprocess.run([sys.executable, "-c", _CONV_BN_RELU], capture_output=True, text=True,
+                         env={**env, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    nodes = json.loads(out.stdout.strip().splitlines()[-1])
+    image = 32 * 32 * 16 * 4  # one output, bytes per sample
+    assert nodes["bn"][0] >= image  # taped: its output
+    assert nodes["bn"][1] < image / 4  # kept: not its output
+    assert nodes["conv"][1] >= image * 0.9  # the normalization keeps the convolution's output
+    assert nodes["relu"][1] >= image * 0.9  # its own gradient keeps its output
+    assert sum(k for _, k in nodes.values()) < sum(t for t, _ in nodes.values())

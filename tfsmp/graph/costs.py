@@ -26,9 +26,11 @@ import inspect
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import keras
+import numpy as np
 
 from tfsmp.graph.ir import DTYPE_BYTES
 
@@ -504,6 +506,17 @@ def measure_activations(traced: TracedModel, sample_input: Any, training: bool =
     of which only one layer's are alive at a time in a stage (ResNet50's layers: a median 2x
     the taped figure), so the memory model reads the smaller of the two figures per layer.
 
+    [Note: kept bytes] Both figures count every output of a call, but a stage's compiled
+    backward keeps an output only where a gradient needs it: ResNet50's batch normalizations
+    keep their inputs (the convolutions' outputs) but not their outputs, which the ReLUs after
+    them do not need (a ReLU's gradient reads its own output). So each call also runs once more
+    under a tape on fresh copies of its inputs, and the allocator tells, as references are
+    dropped, what the tape keeps of its outputs, of its inputs and besides them. A tensor counts
+    once, with the call that made it, where that call or any consumer keeps it
+    (``kept_bytes``). Measured on ResNet50's first stage at 1-8 rows per microbatch: the
+    model's per-row activations were 25-30 % above TensorFlow's own peak with the other two
+    figures.
+
     Args:
         traced: the traced model (``graph.nodes[name].activation_bytes`` is updated).
         sample_input: a batch of model inputs (one or a few samples suffice).
@@ -524,27 +537,58 @@ def measure_activations(traced: TracedModel, sample_input: Any, training: bool =
     last_use = _last_use(traced)
     saved: dict[str, int] = {}
     for node in traced.graph:
-        node.ops = node.linear_bytes = node.recompute_bytes = 0
-    seen: dict[Any, tuple[int, int, int, int, list[Any]]] = {}
+        node.ops = node.linear_bytes = node.recompute_bytes = node.kept_bytes = 0
+    seen: dict[Any, _Measured] = {}
+    # [Note: kept bytes]: each tensor's bytes per sample, maker and the most any reader keeps
+    made: dict[str, tuple[str, float, float]] = {}  # key -> (layer, bytes, fraction kept)
     for i, call in enumerate(traced.calls):
         inputs = [env[k] for k in call.input_keys]
         variables = traced.variables_of([call.layer_name])
         key = _signature(call, inputs, variables)
         if key not in seen:
             seen[key] = _measure_call(tf, device, call, inputs, variables, training, batch)
-        held, ops, linear, recompute, outputs = seen[key]
+        m = seen[key]
         node = traced.graph.nodes[call.layer_name]
-        node.ops += ops
-        node.linear_bytes += linear
-        node.recompute_bytes += recompute
-        saved[call.layer_name] = saved.get(call.layer_name, 0) + held
-        env.update(zip(call.output_keys, outputs))
+        node.ops += m.ops
+        node.linear_bytes += m.linear
+        node.recompute_bytes += m.recompute
+        node.kept_bytes += m.own
+        saved[call.layer_name] = saved.get(call.layer_name, 0) + m.held
+        for k in call.input_keys:
+            if k in made:
+                layer, nbytes, kept = made[k]
+                made[k] = (layer, nbytes, max(kept, m.inputs_kept))
+        for k, t in zip(call.output_keys, m.outputs):
+            made[k] = (call.layer_name, _nbytes_of(t) / batch, m.outputs_kept)
+        env.update(zip(call.output_keys, m.outputs))
         for k in [k for k, last in last_use.items() if last == i]:
             env.pop(k, None)
+    if device:
+        for layer, nbytes, kept in made.values():
+            traced.graph.nodes[layer].kept_bytes += int(nbytes * kept)
     for name, nbytes in saved.items():
         node = traced.graph.nodes[name]
         node.activation_bytes = max(nbytes, node.activation_bytes)
     return saved
+
+
+def _nbytes_of(t: Any) -> int:
+    return int(np.prod(t.shape, dtype=np.int64)) * t.dtype.size if t.shape.is_fully_defined() else 0
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """One call's measured figures, per sample ([Note: saved activations], [Note: recomputed
+    bytes], [Note: kept bytes])."""
+
+    held: int              # outputs and what the tape keeps
+    ops: int               # forward graph operations
+    linear: int            # Dense and EinsumDense inputs and outputs
+    recompute: int         # growth of a compiled forward and backward's peak
+    own: int               # what the tape keeps besides the call's inputs and outputs
+    outputs_kept: float    # the fraction of the outputs' bytes the tape keeps
+    inputs_kept: float     # the fraction of the floating inputs' bytes the tape keeps
+    outputs: list[Any]
 
 
 def _signature(call: Any, inputs: Sequence[Any], variables: Sequence[Any]) -> Any:
@@ -563,10 +607,8 @@ def _signature(call: Any, inputs: Sequence[Any], variables: Sequence[Any]) -> An
 
 
 def _measure_call(tf: Any, device: str, call: Any, inputs: list[Any], variables: list[Any],
-                  training: bool, batch: int) -> tuple[int, int, int, int, list[Any]]:
-    """(bytes kept per sample, forward graph operations, linear bytes per sample, bytes per
-    sample of a compiled forward and backward, outputs) of one call, with its variables
-    materialized for the measurement only."""
+                  training: bool, batch: int) -> _Measured:
+    """One call's figures, with its variables materialized for the measurement only."""
     from tfsmp.graph.deferred import is_deferred, materialize, release
 
     def current() -> int:
@@ -583,9 +625,36 @@ def _measure_call(tf: Any, device: str, call: Any, inputs: list[Any], variables:
         del tape
         ops = len(run.get_concrete_function(*inputs).graph.get_operations())
         recompute = _recompute_growth(tf, device, call, inputs, variables, training, batch)
-        return max(held, 0) // batch, ops, linear.total // batch, recompute, list(outputs)
+        own, outputs_kept, inputs_kept = _kept(tf, current, run, inputs) if device else (0, 0, 0)
+        return _Measured(max(held, 0) // batch, ops, linear.total // batch, recompute,
+                         own // batch, outputs_kept, inputs_kept, list(outputs))
     finally:
         release(fresh)
+
+
+def _kept(tf: Any, current: Callable[[], int], run: Any, inputs: list[Any]
+          ) -> tuple[int, float, float]:
+    """(bytes the tape keeps besides inputs and outputs, fraction of the outputs' bytes it
+    keeps, fraction of the floating inputs' bytes it keeps) of one taped call on fresh copies
+    of its inputs ([Note: kept bytes]): the allocator's count as references are dropped."""
+    before = current()
+    xs = [x * tf.ones((), x.dtype) if x.dtype.is_floating else x for x in inputs]  # new buffers
+    copied = current() - before
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x for x in xs if x.dtype.is_floating])
+        outs = [y for y in run(*xs)]
+    total = current() - before
+    out_bytes = sum(_nbytes_of(y) for y in outs)
+    del outs
+    without_outputs = current() - before
+    del xs
+    without_inputs = current() - before
+    del tape
+    outputs_kept = min(max(out_bytes - (total - without_outputs), 0), out_bytes)
+    inputs_kept = min(max(copied - (without_outputs - without_inputs), 0), copied)
+    own = max(without_outputs - copied - outputs_kept, 0)
+    return (own, outputs_kept / out_bytes if out_bytes else 0.0,
+            inputs_kept / copied if copied else 0.0)
 
 
 def _recompute_growth(tf: Any, device: str, call: Any, inputs: list[Any], variables: list[Any],

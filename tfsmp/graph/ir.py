@@ -126,6 +126,10 @@ class LayerNode:
             the recomputing backward of ``optimize: memory`` (0: not measured; then
             ``activation_bytes`` stands for it; [Note: recomputed bytes] in
             tfsmp/graph/costs.py).
+        kept_bytes: bytes per sample a compiled backward keeps of its calls: what their
+            gradients keep besides their outputs, and each output only where this call's
+            gradient or a consumer's keeps it (0: not measured; [Note: kept bytes] in
+            tfsmp/graph/costs.py).
     """
 
     name: str
@@ -143,6 +147,7 @@ class LayerNode:
     ops: int = 0
     linear_bytes: int = 0
     recompute_bytes: int = 0
+    kept_bytes: int = 0
 
     @property
     def keras_layer(self) -> str:

@@ -20,7 +20,8 @@ it holds at once during a step:
   measured here as a memory cgroup's usage), what running the first step adds besides tensors
   (kernel caches, thread stacks: `RUNTIME_BYTES`), the stage programs' graphs (`OP_BYTES` per
   operation of the stages' forward graphs, counted by `tfsmp.graph.costs.measure_activations`)
-  and the pages TensorFlow's allocator keeps beyond its peak (`ALLOCATOR_SLACK` of it).
+  and the pages TensorFlow's allocator keeps beyond its peak (`ALLOCATOR_SLACK` of it); a
+  direct update's program costs `DIRECT_OP_BYTES` more per operation.
 - *weights*: the stages' variables, tied copies included; *optimizer state*: slots per
   trainable byte by optimizer (`tfsmp.graph.ir.OPTIMIZER_SLOTS`); *accumulators*: one per
   trainable variable, except where a stage updates its variables inside its backward ([Note:
@@ -101,6 +102,7 @@ __all__ = [
     "ALLOCATOR_SLACK",
     "BASELINE_BYTES",
     "CAP_ENV",
+    "DIRECT_OP_BYTES",
     "OP_BYTES",
     "RUNTIME_BYTES",
     "MemorySettings",
@@ -111,6 +113,7 @@ __all__ = [
     "group_bytes",
     "late_weights_pay",
     "predict_memory",
+    "recomputed_bytes",
     "settings_of",
     "stage_counts",
     "stage_memory",
@@ -127,6 +130,13 @@ RUNTIME_BYTES = 15 * MiB
 # Host memory per TensorFlow operation of a stage's forward graph, for its traced programs
 # (forward, recomputing backward, optimizer step).
 OP_BYTES = 117 * 1024
+# More per forward operation where a stage updates its variables inside its backward ([Note:
+# direct update] in tfsmp/runtime/memory.py): that program (the recomputed forward, the
+# backward and every variable's update) is one graph, optimized and kept whole; sampled every
+# 2 ms on ResNet50 at p = 2, m = 1, its first call raised a rank's usage 377 MiB where the
+# backward and the optimizer step as two programs raised it 254 (1657-1705 operations a stage;
+# 69-116 MiB above the model on those ranks).
+DIRECT_OP_BYTES = 55 * 1024
 # Pages TensorFlow's allocator holds beyond its peak of live tensors (fragmentation), as a
 # fraction of that peak.
 ALLOCATOR_SLACK = 0.06
@@ -254,7 +264,7 @@ def stage_memory(plan: StagePlan, graph: LayerGraph, stage: int,
         sent_sample=sum(b.bytes_per_sample for b in plan.send_boundaries(stage)),
         linear_sample=linear,
         peak_layer_sample=max((n.activation_bytes for n in nodes), default=0),
-        recompute_sample=sum(_recomputed(n) for n in nodes),
+        recompute_sample=recomputed_bytes(nodes),
         copies=bool(copies) or any(stage in t.stages and t.copies > 1 for t in plan.ties),
         outputs_sample=sum(graph.tensors[k].bytes_per_sample for k in graph.outputs
                            if k in written or stage == plan.num_stages - 1),
@@ -281,6 +291,22 @@ def _recomputed(node: LayerNode) -> int:
     if node.recompute_bytes:
         return min(node.recompute_bytes, node.activation_bytes)
     return node.activation_bytes
+
+
+def recomputed_bytes(nodes: Sequence[LayerNode]) -> int:
+    """Bytes per sample a stage of ``nodes`` holds in one compiled forward and backward: the
+    smaller of the layers' own figures summed (`_recomputed`) and what their gradients keep
+    ([Note: kept bytes] in tfsmp/graph/costs.py) plus one layer's backward temporaries at a
+    time (its compiled growth beyond what it keeps). The first is the tighter bound for
+    GPT-2's blocks, which a compiled graph prunes; the second for ResNet50, whose batch
+    normalizations' outputs no gradient keeps (25-30 % of its taped bytes per row)."""
+    own = sum(_recomputed(n) for n in nodes)
+    measured = [n for n in nodes if n.recompute_bytes]
+    if not measured or not any(n.kept_bytes for n in nodes):  # measured without the kept bytes
+        return own
+    kept = sum(n.kept_bytes for n in nodes) + max(
+        max(n.recompute_bytes - n.kept_bytes, 0) for n in measured)
+    return min(own, kept)
 
 
 def predict_memory(plan: StagePlan, graph: LayerGraph, settings: MemorySettings
@@ -354,7 +380,8 @@ def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], spl
     tensors = weights + optimizer + accumulators + max(peak, step)
     return RankMemory(
         rank=rank, stages=tuple(m.stage for m in mine),
-        baseline=s.baseline + s.runtime + int(OP_BYTES * ops + ALLOCATOR_SLACK * tensors),
+        baseline=s.baseline + s.runtime + int((OP_BYTES + (DIRECT_OP_BYTES if direct else 0))
+                                              * ops + ALLOCATOR_SLACK * tensors),
         weights=weights, optimizer=optimizer, accumulators=accumulators,
         buffers=int(buffers + in_turn),
         activations=int(max(peak, step)), direct=direct, held=held)
@@ -546,7 +573,7 @@ def group_bytes(graph: LayerGraph, groups: Sequence[Sequence[str]], settings: Me
         inputs = sum(graph.tensors[k].bytes_per_sample for n in g for k in read.get(n, ()))
         saved = sum(n.activation_bytes for n in nodes)
         # a backward's working set: taped (speed) or compiled ([Note: recomputed bytes])
-        working = saved if s.optimize == "speed" else sum(_recomputed(n) for n in nodes)
+        working = saved if s.optimize == "speed" else recomputed_bytes(nodes)
         fixed.append(state + b * (working + inputs))
         held.append(b * ((saved + inputs) if s.optimize == "speed" else inputs))
     return fixed, held
