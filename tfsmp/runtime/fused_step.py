@@ -32,6 +32,7 @@ from keras.src.backend import get_keras_mask, set_keras_mask
 
 from tfsmp.errors import StepError
 from tfsmp.runtime.executor import MicroBatch, StepResult
+from tfsmp.runtime.fused_updates import fused_updates
 from tfsmp.runtime.stage import all_finite
 
 __all__ = ["OneCallStep", "all_finite"]
@@ -82,7 +83,8 @@ class OneCallStep:
         grads_ok = all_finite(ordered)
 
         def apply() -> tf.Tensor:
-            self.optimizer.apply_gradients(zip(ordered, self.variables))
+            with fused_updates(self.optimizer):  # the step's tail: [Note: fused updates]
+                self.optimizer.apply_gradients(zip(ordered, self.variables))
             return tf.constant(True)
 
         # ``always``: nonfinite="apply" (a fit with TerminateOnNaN) updates as plain Keras does

@@ -28,13 +28,16 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfsmp.runtime.fused_updates import fused_update_step, update_step_as
+
 __all__ = ["DirectUpdate", "one_variable_at_a_time"]
 
 
 @contextlib.contextmanager
 def one_variable_at_a_time(optimizer: Any) -> Iterator[None]:
     """Within a ``tf.function`` trace, chains the optimizer's per-variable updates ([Note: one
-    variable at a time]). A loss-scale wrapper's inner optimizer is chained too."""
+    variable at a time]). A loss-scale wrapper's inner optimizer is chained too. Enter
+    `fused_updates` (fused_updates.py) first: the chain wraps whatever update_step is current."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     original = inner.update_step
     done: list[tf.Tensor] = []
@@ -48,23 +51,8 @@ def one_variable_at_a_time(optimizer: Any) -> Iterator[None]:
         done[:] = [tf.identity(_handle_value(variable))]
         return result
 
-    with _update_step_as(inner, update_step):
+    with update_step_as(inner, update_step):
         yield
-
-
-@contextlib.contextmanager
-def _update_step_as(optimizer: Any, update_step: Callable[..., Any]) -> Iterator[None]:
-    """``optimizer.update_step`` is ``update_step`` inside the block, then what it was (the
-    class's method, or an instance attribute of its own)."""
-    own = optimizer.__dict__.get("update_step")
-    optimizer.update_step = update_step
-    try:
-        yield
-    finally:
-        if own is None:
-            del optimizer.update_step  # back to the class's method
-        else:
-            optimizer.update_step = own
 
 
 def _handle_value(variable: Any) -> tf.Tensor:
@@ -105,8 +93,15 @@ class DirectUpdate:
     are updated once per step) and weight regularizers (their gradients join at the step).
     """
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Any, *, xla: bool = False) -> None:
         self.optimizer = optimizer
+        self.xla = xla  # compiled by XLA: Keras's own update ([Note: fused updates])
+
+    def _update_step(self) -> Callable[..., Any]:
+        """Keras's per-variable update, as fused kernels where they equal it ([Note: fused
+        updates] in fused_updates.py)."""
+        inner = self.optimizer
+        return (None if self.xla else fused_update_step(inner)) or inner.update_step
 
     @staticmethod
     def possible(optimizer: Any) -> bool:
@@ -134,7 +129,7 @@ class DirectUpdate:
         flags: list[tf.Tensor] = []
         done: list[tf.Tensor] = []
         inner = self.optimizer
-        original = inner.update_step
+        original = self._update_step()
         by_id = {id(v): m for v, m in zip(variables, makers)}
         order = list(reversed(makers))  # the order of the pairs passed below
 
@@ -156,7 +151,7 @@ class DirectUpdate:
         if not variables:
             return tf.constant(True)
         stand_ins = [tf.zeros((), v.dtype) for v in variables]
-        with _update_step_as(inner, update_step):
+        with update_step_as(inner, update_step):
             self.optimizer.apply_gradients(list(reversed(list(zip(stand_ins, variables)))))
         return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
 
@@ -166,7 +161,7 @@ class DirectUpdate:
         which backward produces their gradients."""
         flags: list[tf.Tensor] = []
         inner = self.optimizer
-        original = inner.update_step
+        original = self._update_step()
 
         def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
             ok = _finite(gradient)
@@ -181,7 +176,7 @@ class DirectUpdate:
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         if not pairs:  # a stage without trainable variables, or none on the gradient's path:
             return tf.constant(True)  # nothing to update (Keras's `apply` is a no-op then too)
-        with _update_step_as(inner, update_step):
+        with update_step_as(inner, update_step):
             # apply_gradients, as Keras's train step calls it (an override is honoured)
             self.optimizer.apply_gradients(list(reversed(pairs)))
         return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
