@@ -34,6 +34,10 @@ Adam or AdamW (without ``amsgrad``) or SGD, with float hyperparameters and no ``
 its own; each call then falls back to Keras's code for anything not proven equal: a sparse
 (``IndexedSlices``) gradient, a variable that is not float32, or a step compiled by XLA (whose
 own fusion may contract a product and a sum).
+
+Used by the one-call step (p = 1) only, so far: the pipeline's optimizer step and its direct and
+late updates ([Note: one variable at a time] in memory.py) keep Keras's kernels until the memory
+model's grid is re-measured with these, which hold one full-size temporary fewer per variable.
 """
 
 from __future__ import annotations

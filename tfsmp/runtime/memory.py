@@ -28,7 +28,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfsmp.runtime.fused_updates import fused_update_step, update_step_as
+from tfsmp.runtime.fused_updates import update_step_as
 
 __all__ = ["DirectUpdate", "one_variable_at_a_time"]
 
@@ -93,15 +93,8 @@ class DirectUpdate:
     are updated once per step) and weight regularizers (their gradients join at the step).
     """
 
-    def __init__(self, optimizer: Any, *, xla: bool = False) -> None:
+    def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
-        self.xla = xla  # compiled by XLA: Keras's own update ([Note: fused updates])
-
-    def _update_step(self) -> Callable[..., Any]:
-        """Keras's per-variable update, as fused kernels where they equal it ([Note: fused
-        updates] in fused_updates.py)."""
-        inner = self.optimizer
-        return (None if self.xla else fused_update_step(inner)) or inner.update_step
 
     @staticmethod
     def possible(optimizer: Any) -> bool:
@@ -129,7 +122,7 @@ class DirectUpdate:
         flags: list[tf.Tensor] = []
         done: list[tf.Tensor] = []
         inner = self.optimizer
-        original = self._update_step()
+        original = inner.update_step
         by_id = {id(v): m for v, m in zip(variables, makers)}
         order = list(reversed(makers))  # the order of the pairs passed below
 
@@ -161,7 +154,7 @@ class DirectUpdate:
         which backward produces their gradients."""
         flags: list[tf.Tensor] = []
         inner = self.optimizer
-        original = self._update_step()
+        original = inner.update_step
 
         def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
             ok = _finite(gradient)

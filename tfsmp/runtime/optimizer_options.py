@@ -38,7 +38,6 @@ from keras.src.optimizers import base_optimizer
 
 from tfsmp.errors import StepError
 from tfsmp.runtime import layer_losses as ll
-from tfsmp.runtime.fused_updates import fused_updates
 from tfsmp.runtime.memory import one_variable_at_a_time
 
 __all__ = ["OptimizerBridge"]
@@ -168,8 +167,7 @@ class OptimizerBridge:
                     if isinstance(g, tf.IndexedSlices):
                         g = tf.convert_to_tensor(g)  # dense + sparse is dense, as TF sums them
                     grads[j] = g + tf.cast(d, g.dtype)
-            # [Note: fused updates], then [Note: one variable at a time] around them
-            with fused_updates(optimizer, xla=self.xla), one_variable_at_a_time(optimizer):
+            with one_variable_at_a_time(optimizer):  # [Note: one variable at a time]
                 apply_grads(grads, variables)
 
         return apply

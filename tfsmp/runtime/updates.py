@@ -118,7 +118,7 @@ class Updates:
     def _set_direct(self, direct: bool) -> None:
         if self.possible:
             for prog in self.programs.values():
-                prog.set_update(DirectUpdate(self.optimizer, xla=self.xla) if direct else None)
+                prog.set_update(DirectUpdate(self.optimizer) if direct else None)
         self._direct = direct
         late = (self.late_possible and self.bridge is not None and self.bridge.plain
                 and DirectUpdate.possible_late(self.optimizer))
@@ -128,7 +128,7 @@ class Updates:
                 # across replicas] in stage.py)
                 prog.set_late(late, self.microbatches * self.replicas)
         self.late = late
-        self._late_update = DirectUpdate(self.optimizer, xla=self.xla) if late else None
+        self._late_update = DirectUpdate(self.optimizer) if late else None
 
     def settle_late_without_rows(self) -> None:
         """A step in which some replica has no rows, before the stages decided on weights at
@@ -185,7 +185,7 @@ class Updates:
             self.exchange.exchange()
 
     def _apply_late(self, factor: float, strict: bool) -> None:
-        update = self._late_update or DirectUpdate(self.optimizer, xla=self.xla)
+        update = self._late_update or DirectUpdate(self.optimizer)
         group = self.data_group if self.replicas > 1 else None
         owned = None if self.mine is None else {id(v) for v in self.optimizer_variables}
         finite = all([p.apply_late(update, factor, group, owned)
