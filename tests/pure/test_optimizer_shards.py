@@ -132,3 +132,9 @@ def test_a_replica_with_fewer_rows_than_microbatches_runs_one_microbatch_a_row()
     assert step_microbatches(4, 0) == 1
     config = load_config({"partitions": 2, "microbatches": 8}, world_size=2)
     assert settings_of(config, "adam", batch_size=4).microbatches == 4
+
+
+def test_a_batch_not_yet_known_keeps_the_configured_microbatches() -> None:
+    config = load_config({"partitions": 2, "microbatches": 8}, world_size=2)
+    assert settings_of(config, "adam", batch_size=None).microbatches == 8
+    assert settings_of(config, "adam", batch_size=None).batch_size == 1

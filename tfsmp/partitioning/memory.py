@@ -475,15 +475,18 @@ def cap_from_environment(environ: Mapping[str, str] | None = None) -> int | None
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def settings_of(config: Any, optimizer: str | None, batch_size: int,
+def settings_of(config: Any, optimizer: str | None, batch_size: int | None,
                 data_parallel: int = 1) -> MemorySettings:
     """The `MemorySettings` of a `tfsmp.config.Config` (``batch_size``: samples per step of
-    one pipeline replica), with the microbatches the runtime runs (`step_microbatches`)."""
+    one pipeline replica, None when not yet known), with the microbatches the runtime runs
+    for a known batch (`step_microbatches`)."""
+    rows = max(batch_size or 1, 1)
     return MemorySettings(
         partitions=config.partitions,
-        microbatches=step_microbatches(config.microbatches, batch_size),
+        microbatches=(config.microbatches if batch_size is None
+                      else step_microbatches(config.microbatches, rows)),
         pipeline=config.pipeline, virtual_stages=config.chunks,
-        active_microbatches=config.active_microbatches, batch_size=max(batch_size, 1),
+        active_microbatches=config.active_microbatches, batch_size=rows,
         data_parallel=data_parallel, optimize=config.optimize, optimizer=optimizer,
         nonfinite=config.nonfinite,
         shard_optimizer_state=bool(getattr(config, "shard_optimizer_state", False)))

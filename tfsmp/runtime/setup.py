@@ -32,7 +32,8 @@ def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str,
     from tfsmp.partitioning.memory import cap_from_environment, settings_of
 
     opt_name = optimizer_name(optimizer)
-    settings = settings_of(config, opt_name, (step_samples or 1) // max(data_parallel, 1),
+    settings = settings_of(config, opt_name,
+                           None if step_samples is None else step_samples // max(data_parallel, 1),
                            data_parallel)
     if config.partition_file:
         with open(config.partition_file) as f:
