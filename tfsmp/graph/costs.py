@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import keras
-import numpy as np
 
 from tfsmp.graph.ir import DTYPE_BYTES
 
@@ -559,21 +558,16 @@ def measure_activations(traced: TracedModel, sample_input: Any, training: bool =
                 layer, nbytes, kept = made[k]
                 made[k] = (layer, nbytes, max(kept, m.inputs_kept))
         for k, t in zip(call.output_keys, m.outputs):
-            made[k] = (call.layer_name, _nbytes_of(t) / batch, m.outputs_kept)
+            made[k] = (call.layer_name, _nbytes(t) / batch, m.outputs_kept)
         env.update(zip(call.output_keys, m.outputs))
         for k in [k for k, last in last_use.items() if last == i]:
             env.pop(k, None)
-    if device:
-        for layer, nbytes, kept in made.values():
-            traced.graph.nodes[layer].kept_bytes += int(nbytes * kept)
+    for layer, nbytes, kept in made.values():  # nothing kept without allocator statistics
+        traced.graph.nodes[layer].kept_bytes += int(nbytes * kept)
     for name, nbytes in saved.items():
         node = traced.graph.nodes[name]
         node.activation_bytes = max(nbytes, node.activation_bytes)
     return saved
-
-
-def _nbytes_of(t: Any) -> int:
-    return int(np.prod(t.shape, dtype=np.int64)) * t.dtype.size if t.shape.is_fully_defined() else 0
 
 
 @dataclass(frozen=True)
@@ -644,7 +638,7 @@ def _kept(tf: Any, current: Callable[[], int], run: Any, inputs: list[Any]
         tape.watch([x for x in xs if x.dtype.is_floating])
         outs = [y for y in run(*xs)]
     total = current() - before
-    out_bytes = sum(_nbytes_of(y) for y in outs)
+    out_bytes = sum(_nbytes(y) for y in outs)
     del outs
     without_outputs = current() - before
     del xs

@@ -172,8 +172,7 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
     pipeline = args.pipeline or "interleaved"
     settings = MemorySettings(
         partitions=args.partitions,
-        microbatches=(step_microbatches(args.microbatches or 1, args.batch_size)
-                      if args.batch_size else args.microbatches or 1),
+        microbatches=step_microbatches(args.microbatches or 1, args.batch_size or None),
         pipeline=pipeline, virtual_stages=get(pipeline).chunks_for(1),
         batch_size=args.batch_size or 1,
         optimize=args.optimize, optimizer=optimizer,

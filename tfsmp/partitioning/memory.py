@@ -480,22 +480,23 @@ def settings_of(config: Any, optimizer: str | None, batch_size: int | None,
     """The `MemorySettings` of a `tfsmp.config.Config` (``batch_size``: samples per step of
     one pipeline replica, None when not yet known), with the microbatches the runtime runs
     for a known batch (`step_microbatches`)."""
-    rows = max(batch_size or 1, 1)
     return MemorySettings(
         partitions=config.partitions,
-        microbatches=(config.microbatches if batch_size is None
-                      else step_microbatches(config.microbatches, rows)),
+        microbatches=step_microbatches(config.microbatches, batch_size),
         pipeline=config.pipeline, virtual_stages=config.chunks,
-        active_microbatches=config.active_microbatches, batch_size=rows,
+        active_microbatches=config.active_microbatches, batch_size=max(batch_size or 1, 1),
         data_parallel=data_parallel, optimize=config.optimize, optimizer=optimizer,
         nonfinite=config.nonfinite,
         shard_optimizer_state=bool(getattr(config, "shard_optimizer_state", False)))
 
 
-def step_microbatches(microbatches: int, batch_size: int) -> int:
+def step_microbatches(microbatches: int, batch_size: int | None) -> int:
     """The microbatches a step runs on a replica of ``batch_size`` rows: at most one per row
-    (`tfsmp.runtime.batching.Batching.step_shape`). A model that priced 8 microbatches of half
-    a row where the runtime ran 4 of one row was 5-13 % low (GPT-2 at p = 2 x d = 2, batch 8)."""
+    (`tfsmp.runtime.batching.Batching.step_shape`); with the batch not yet known (None), the
+    configured count. A model that priced 8 microbatches of half a row where the runtime ran 4
+    of one row was 5-13 % low (GPT-2 at p = 2 x d = 2, batch 8)."""
+    if batch_size is None:
+        return microbatches
     return max(min(microbatches, batch_size), 1)
 
 
