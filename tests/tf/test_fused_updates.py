@@ -184,7 +184,8 @@ def test_the_one_call_step_uses_the_fused_update() -> None:
         dm = smp.DistributedModel(keras.Model(inputs, keras.layers.Dense(3)(inputs)))
         dm.compile(optimizer="adam", loss="mse")
         dm.train_on_batch(x, x[:, :3])
-        fn = dm._engine._one_call._fn
+        one = dm._engine._one_call
+        fn = one._fn_direct if one.direct else one._fn  # [Note: one-call direct update]
         ops = {n.op for cf in fn._list_all_concrete_functions()
                for f in cf.graph.as_graph_def().library.function for n in f.node_def}
         assert "ResourceApplyAdagradV2" in ops

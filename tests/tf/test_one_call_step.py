@@ -121,6 +121,43 @@ def test_non_finite_step_raises_or_skips_without_changing_any_variable() -> None
         smp.shutdown()
 
 
+def test_the_one_call_step_updates_variable_by_variable_where_the_pipeline_would() -> None:
+    """[Note: one-call direct update]: Adam under nonfinite='raise' updates each variable under
+    its own gradient's flag, so a gradient that is not finite under a finite loss (sqrt's at
+    zero) leaves that variable as it was, updates the others, and the error says so; 'skip'
+    keeps the all-or-nothing step, and a global clipnorm (every gradient before any update)
+    keeps it too."""
+    x = np.ones((8, 4), np.float32)
+    y = np.ones((8, 2), np.float32)
+
+    def model() -> Any:
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(3, kernel_initializer="zeros", name="first")(inputs)
+        h = keras.layers.Lambda(lambda t: keras.ops.sqrt(keras.ops.abs(t)))(h)
+        return keras.Model(inputs, keras.layers.Dense(2, name="last")(h))
+
+    try:
+        for config, optimizer, direct in [({}, "adam", True), ({"nonfinite": "skip"}, "adam", False),
+                                          ({}, keras.optimizers.Adam(global_clipnorm=1.0), False)]:
+            _init(**config)
+            dm = smp.DistributedModel(model())
+            dm.compile(optimizer=optimizer, loss="mse")
+            before = dm.get_weights()
+            if config:
+                dm.train_on_batch(x, y)
+            else:
+                with pytest.raises(StepError, match="variables with finite gradients were "
+                                   "updated" if direct else r"gradients of stage 0 from"):
+                    dm.train_on_batch(x, y)
+            assert dm._engine._one_call.direct is direct
+            after = dm.get_weights()
+            assert np.array_equal(before[0], after[0])  # first kernel: non-finite gradient
+            # the last layer's bias has a finite gradient: updated only variable by variable
+            assert np.array_equal(before[3], after[3]) is not direct
+    finally:
+        smp.shutdown()
+
+
 def test_a_traced_one_call_step_records_a_forward_and_a_step_span(tmp_path: Path) -> None:
     from tfsmp.timeline.events import load_events
 

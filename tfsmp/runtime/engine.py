@@ -448,7 +448,8 @@ class Engine:
                 self._one_call = OneCallStep(
                     prog, self.variables, [i for _, _, i in self.updates.unique], self.optimizer,
                     self.objective, rank_tag=self.rank_tag,
-                    relax_shapes=_dynamic_inputs(self.traced, self.executors.shapes))
+                    relax_shapes=_dynamic_inputs(self.traced, self.executors.shapes),
+                    direct=self.updates.by_variable)  # [Note: one-call direct update]
         return self._one_call if isinstance(self._one_call, OneCallStep) else None
 
     def _configure_executors(self) -> None:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from tfsmp.runtime.executor import StepResult
     from tfsmp.runtime.objective import Objective
 
-__all__ = ["RankReport", "StateWatch", "StepReport", "loss_records"]
+__all__ = ["DIRECT_NOTE", "RankReport", "StateWatch", "StepReport", "loss_records"]
 
 
 def loss_records(objective: Objective, result: StepResult
@@ -115,12 +115,12 @@ class StepReport:
         return (
             f"{rank_tag} Non-finite values at step {step}: loss of microbatch(es) "
             f"{mbs or 'none'} on the last stage; gradients of {where or 'no stage'}. "
-            f"{_DIRECT_NOTE if direct else ''}"
+            f"{DIRECT_NOTE if direct else ''}"
             f"Lower the learning rate, check the data, or set nonfinite='skip' to skip such "
             f"updates on every rank.")
 
 
-_DIRECT_NOTE = ("With one microbatch each stage updates its variables during its backward "
+DIRECT_NOTE = ("With one microbatch each stage updates its variables during its backward "
                 "pass ([Note: direct update]), so variables with finite gradients were updated. ")
 
 

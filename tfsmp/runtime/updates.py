@@ -88,6 +88,13 @@ class Updates:
         return self._direct and not any(p.late for p in self.programs.values())
 
     @property
+    def by_variable(self) -> bool:
+        """Whether the run and the optimizer allow updating variable by variable as gradients
+        arrive (`RunPlan.updates_directly`), whether the stages then chose direct updates or
+        late weights ([Note: one-call direct update] in fused_step.py)."""
+        return self._direct
+
+    @property
     def variables(self) -> list[Any]:
         return [v for v, _, _ in self.unique]
 
