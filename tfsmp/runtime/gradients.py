@@ -181,6 +181,13 @@ class GradientState:
         first, self.fresh = self.fresh, False
         return first
 
+    def take_fresh_all(self) -> bool:
+        """`take_fresh` for a backward that writes every accumulator, the W half's included
+        (an unsplit backward: [Note: drain split] in executor.py)."""
+        first = self.fresh
+        self.fresh = self.fresh_w = False
+        return first
+
     def take_fresh_w(self) -> bool:
         """`take_fresh` for a split stage's W half ([Note: split stages] in stage.py)."""
         first, self.fresh_w = self.fresh_w, False

@@ -45,6 +45,8 @@ layers' weight gradients ([Note: split backward] in `deferred.py`). A microbatch
 its forward until its ``W``. ``fresh`` and ``fresh_w`` are the two halves' [Note: fresh
 accumulators] flags: B and W of one microbatch write disjoint accumulators, and a variable that
 gets gradient from both (a deferred kernel that another op also reads) gets B's part added in W.
+An unsplit stage splits only the microbatches in ``drain`` ([Note: drain split] in
+executor.py); its unsplit backwards write every accumulator (`_take_first`), so their W's add.
 
 [Note: weights at the step's end] With several microbatches a stage needs each variable's
 gradient summed over them before the update, and an accumulator per variable holds that sum for
@@ -270,6 +272,8 @@ class StageProgram:
         # [Note: split stages]: set when the schedule gives this stage W actions
         self.split = split
         self._weight_work: dict[int, _WeightWork] = {}
+        # [Note: drain split]: microbatches whose backward an unsplit stage splits this step
+        self.drain: frozenset[int] = frozenset()
         self._slot_cache: dict[tuple[Any, ...], list[tf.Tensor]] = {}
         self._deferred_layers: list[Any] | None = None
         self._deferred_vars: list[int] = []  # trainable index of each deferred (variable, call)
@@ -597,8 +601,23 @@ class StageProgram:
 
     # -- split stages --------------------------------------------------------------------------
 
-    def _splitting(self) -> bool:
-        return (self.split or self.late) and not self.collect
+    def _splitting(self, i: int) -> bool:
+        """Whether microbatch ``i``'s backward leaves the linear layers' weight gradients to a
+        W: on a split stage, a late one, or one of this step's drain microbatches ([Note: drain
+        split])."""
+        if self.collect:
+            return False
+        return self.split or self.late or (i in self.drain and self.update is None)
+
+    def _take_first(self, split: bool) -> bool:
+        """The [Note: fresh accumulators] flag of a backward: a split one writes B's half, an
+        unsplit one every accumulator, so a later W of the step (on an unsplit stage, [Note:
+        drain split]) adds to what it wrote."""
+        return self.grads.take_fresh() if split else self.grads.take_fresh_all()
+
+    def has_weight_work(self, i: int) -> bool:
+        """Whether microbatch ``i``'s W has deferred weight gradients left to compute."""
+        return i in self._weight_work
 
     def _slots(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor
                ) -> list[tf.Tensor]:
@@ -736,7 +755,7 @@ class StageProgram:
         """Training forward of microbatch ``i``; returns the tensors to send (boundary order)."""
         if self.late and not self._late_decided:
             self._decide_late(inputs, recv, consts)
-        slots = self._slots(inputs, recv, consts) if self._splitting() else None
+        slots = self._slots(inputs, recv, consts) if self._splitting(i) else None
         if self.replay:  # [Note: stashing]
             state = [tf.identity(v.value) for v in self.non_trainable]
             sends, layer_loss, products = self._fwd_stash(inputs, recv, True, consts)
@@ -772,7 +791,7 @@ class StageProgram:
         if st.tape is not None:
             return self._backward_taped(i, st, dys)
         slots = st.slots
-        first = False if self.collect else self.grads.take_fresh()
+        first = False if self.collect else self._take_first(slots is not None)
         result = self._bwd_recompute(st.inputs, st.recv, dys, st.state or [], st.consts,
                                      self.collect, first, slots, st.products)
         recv_grads, extra, extras, flag = result[:4]
@@ -828,7 +847,7 @@ class StageProgram:
                 dense.append(g)
         self._keep_sparse(i, sparse, st.inputs, st.recv, st.consts)
         if any(g is not None for g in dense):
-            self.grads.add_flag(i, self._accumulate(dense, self.grads.take_fresh()))
+            self.grads.add_flag(i, self._accumulate(dense, self._take_first(st.slots is not None)))
         if slots:
             self._defer(i, st.xs or [], _zeros_for_none(grads[k:], slots), extras)
         return out
@@ -849,8 +868,9 @@ class StageProgram:
         normalizers, layer loss) of this microbatch, model outputs with their masks)."""
         if self.late and not self._late_decided:
             self._decide_late(inputs, recv, consts)
-        slots = self._slots(inputs, recv, consts) if self._splitting() else None
-        result = self._fused(inputs, recv, y, sample_weight, consts, self.grads.take_fresh(), slots)
+        slots = self._slots(inputs, recv, consts) if self._splitting(i) else None
+        result = self._fused(inputs, recv, y, sample_weight, consts,
+                             self._take_first(slots is not None), slots)
         record, outputs, masks, (recv_grads, sparse, extras, flag) = result[:4]
         self._keep_sparse(i, sparse, inputs, recv, consts)
         self._add_flag(i, flag)
