@@ -312,3 +312,32 @@ def test_a_direct_update_program_costs_more_host_memory_per_operation() -> None:
                                - (direct.total - direct.baseline - direct.buffers))
     assert direct.baseline - kept.baseline == pytest.approx(
         DIRECT_OP_BYTES * 2000 - slack, abs=2)
+
+
+def test_the_drain_split_is_priced_and_dropped_where_only_its_absence_fits() -> None:
+    """[Note: drain split] in tfsmp/runtime/executor.py: the last stage holds the linear
+    inputs and output gradients of its drain's microbatches until their W's; a cap that fits
+    the run only without them keeps the plan and turns the split off (`StagePlan.drain_split`,
+    read by the runtime's `RunPlan`)."""
+    from tfsmp.partitioning.memory_check import check_memory
+    from tfsmp.schedule.run_plan import DRAIN, drain_count
+
+    assert (drain_count("speed"), drain_count("memory")) == (DRAIN, 0)
+    g = _chain()
+    names = [n.name for n in g if not n.is_input]  # type: ignore[attr-defined]
+    plan = StagePlan.from_assignment(g, {n: int(i >= 2) for i, n in enumerate(names)}, 2)
+    base = MemorySettings(partitions=2, microbatches=8, batch_size=64, optimize="speed",
+                          optimizer="adam", direct=False)
+    drained = MemorySettings(**{**base.__dict__, "drain": DRAIN})
+    plain, split = predict_memory(plan, g, base), predict_memory(plan, g, drained)
+    assert split[0].total == plain[0].total  # stage 0 sends no gradients: nothing to drain
+    # while the last microbatch's fused call runs, the one before waits for its W: 8 samples
+    # of 6 layers' inputs and outputs (4096 floats each)
+    assert split[1].activations - plain[1].activations >= 8 * 6 * 2 * 4096 * 4
+    assert max(r.total for r in split) > max(r.total for r in plain)
+    cap = (max(r.total for r in plain) + max(r.total for r in split)) / 2
+    decision = check_memory(g, drained, cap, lambda s: plan)
+    assert decision.fits and decision.settings.drain == 0 and not decision.plan.drain_split
+    roomy = check_memory(g, drained, split[1].total * 2, lambda s: plan)
+    assert roomy.fits and roomy.settings.drain == DRAIN and roomy.plan.drain_split
+    assert StagePlan.from_json(decision.plan.to_json()).drain_split is False

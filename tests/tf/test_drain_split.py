@@ -3,7 +3,7 @@ another rank splits the backward of its last microbatches, and their W's run lat
 
 The stage's gradients must be those of whole backwards (rtol 1e-6): the same sums, in the same
 order, whichever microbatches were split, in speed mode (compiled and taped backward) and memory
-mode; and the executor picks the last `_DRAIN` backwards of each such stage, none of a split
+mode; and the executor picks the last `DRAIN` backwards of each such stage, none of a split
 (zero-bubble) stage's, and none of a stage that sends no gradients to another rank.
 """
 
@@ -19,8 +19,8 @@ import tensorflow as tf
 from tfsmp.comm.local import create_local_comms
 from tfsmp.graph.tracer import trace
 from tfsmp.partitioning.plan import StagePlan
-from tfsmp.runtime.executor import _DRAIN, Executor
-from tfsmp.schedule.run_plan import RunPlan
+from tfsmp.runtime.executor import Executor
+from tfsmp.schedule.run_plan import DRAIN, RunPlan
 from tfsmp.topology import Topology
 
 pytestmark = pytest.mark.tf
@@ -80,19 +80,25 @@ def test_split_microbatches_give_the_gradients_of_whole_backwards(
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def _drain_plans(pipeline: str, p: int, m: int, v: int = 1) -> dict[int, dict[int, frozenset[int]]]:
-    """Each rank's `Executor._drain_plan` for ``pipeline`` on a chain of stages."""
-    run = RunPlan.of(pipeline, p, m, virtual_stages=v)
+def _drain_plans(pipeline: str, p: int, m: int, v: int = 1, drain: int = DRAIN
+                 ) -> dict[int, dict[int, frozenset[int]]]:
+    """Each rank's `Executor._drain_plan` for ``pipeline`` on a chain of stages; checks that
+    the `RunPlan` (the memory model's source) names the same microbatches."""
+    run = RunPlan.of(pipeline, p, m, virtual_stages=v, drain=drain)
     stages = run.placement.num_stages
     plan = StagePlan(stages, {f"l{s}": s for s in range(stages)}, (), (), "test")
     lowered = run.lowered(None, data_parallel=False)
     comms = create_local_comms(Topology(p, p, "cluster"))
-    return {r: Executor(lowered.actions[r], {}, plan, comms[r].pipeline, p, m,
-                        placement=run.placement)._drain_plan() for r in range(p)}
+    got = {r: Executor(lowered.actions[r], {}, plan, comms[r].pipeline, p, m,
+                       placement=run.placement, drain=run.drain)._drain_plan() for r in range(p)}
+    for s in range(stages):
+        assert got[run.placement.rank(s)].get(s, frozenset()) == run.drain_microbatches(s)
+    return got
 
 
 def test_the_last_backwards_of_stages_that_send_gradients_to_another_rank() -> None:
-    last = frozenset(range(8 - _DRAIN, 8))
+    last = frozenset(range(8 - DRAIN, 8))
+    assert _drain_plans("interleaved", 2, 8, drain=0) == {0: {}, 1: {}}  # memory mode, a cap
     assert _drain_plans("interleaved", 2, 8) == {0: {}, 1: {1: last}}
     assert _drain_plans("simple", 4, 8) == {0: {}, 1: {1: last}, 2: {2: last}, 3: {3: last}}
     assert _drain_plans("zb-h1", 2, 8) == {0: {}, 1: {}}  # its W's are the schedule's

@@ -176,6 +176,7 @@ class MemorySettings:
     nonfinite: str = "raise"
     direct: bool | None = None
     shard_optimizer_state: bool = False  # each replica holds its share ([Note: sharded state])
+    drain: int = 0  # `RunPlan.drain` ([Note: drain split] in tfsmp/runtime/executor.py)
     baseline: int = BASELINE_BYTES
     runtime: int = RUNTIME_BYTES
 
@@ -321,6 +322,7 @@ def predict_memory(plan: StagePlan, graph: LayerGraph, settings: MemorySettings
     compute = run.compute
     stages = {st: stage_memory(plan, graph, st, s.optimizer) for st in range(plan.num_stages)}
     split = set(run.split_stages)
+    drain = {st: run.drain_microbatches(st) for st in range(plan.num_stages)}
     out = []
     for rank in range(s.partitions):
         mine = [stages[st] for st in run.stages(rank)]
@@ -328,7 +330,7 @@ def predict_memory(plan: StagePlan, graph: LayerGraph, settings: MemorySettings
         # a stage takes late weights before a direct update ([Note: late before direct])
         direct = _direct(mine, run.direct_possible(rank), s) and not late
         out.append(_rank(rank, mine, compute.get(rank, []), split, plan.num_stages - 1, s,
-                         direct, late))
+                         direct, late, drain))
     return out
 
 
@@ -340,7 +342,7 @@ def run_of(settings: MemorySettings) -> Any:
     s = settings
     return RunPlan.of(s.pipeline, s.partitions, s.microbatches, virtual_stages=s.virtual_stages,
                       active_microbatches=s.active_microbatches, data_parallel=s.data_parallel,
-                      nonfinite=s.nonfinite)
+                      nonfinite=s.nonfinite, drain=s.drain)
 
 
 def _direct(mine: Sequence[StageMemory], possible: bool, s: MemorySettings) -> bool:
@@ -350,10 +352,15 @@ def _direct(mine: Sequence[StageMemory], possible: bool, s: MemorySettings) -> b
 
 
 def _rank(rank: int, mine: Sequence[StageMemory], actions: Sequence[object], split: set[int],
-          last: int, s: MemorySettings, direct: bool, late: set[int]) -> RankMemory:
+          last: int, s: MemorySettings, direct: bool, late: set[int],
+          drain: Mapping[int, frozenset[int]] | None = None) -> RankMemory:
     b = s.batch_size / s.microbatches  # samples per microbatch
     buffers = s.batch_size * sum(m.received_sample + m.sent_sample for m in mine)
-    walk = _ActivationWalk({m.stage: m for m in mine}, split | late, last, b, s.optimize)
+    # a direct update splits nothing ([Note: drain split] in tfsmp/runtime/executor.py)
+    drained = {} if direct else {st: mbs for st, mbs in (drain or {}).items()
+                                 if st not in late and mbs}
+    walk = _ActivationWalk({m.stage: m for m in mine}, split | late, last, b, s.optimize,
+                           drained)
     held, peak = walk.run(actions)
     largest = max((m.largest for m in mine), default=0)
     # the step, after the last backward: a step's model outputs are still held (last stage);
@@ -402,8 +409,9 @@ class _ActivationWalk:
     """Walks one rank's compute actions, tracking what each (stage, microbatch) holds."""
 
     def __init__(self, stages: dict[int, StageMemory], split: set[int], last: int, b: float,
-                 optimize: str) -> None:
+                 optimize: str, drain: Mapping[int, frozenset[int]] | None = None) -> None:
         self.stages, self.split, self.last, self.b, self.optimize = stages, split, last, b, optimize
+        self.drain = drain or {}  # [Note: drain split]: held from B until the step's end
         self.kept = 0.0
         self.waiting_total = 0.0
 
@@ -448,20 +456,25 @@ class _ActivationWalk:
             if m is None or op not in ("F", "B", "W"):
                 continue
             peak = max(peak, sum(held.values()) + self.kept + self.working(m, op))
+            drained = mb in self.drain.get(st, ())
             if op == "F" and st == self.last:
                 self.kept += self.b * m.outputs_sample
-                if st in self.split:  # its B is fused: it waits from here
+                if st in self.split or drained:  # its B is fused: it waits from here
                     held[(st, mb)] = self.waiting(m)
             elif op == "F":
                 held[(st, mb)] = self.stash(m)
             elif op == "B":
                 held.pop((st, mb), None)
-                if st in self.split:
+                if st in self.split or drained:
                     held[(st, mb)] = self.waiting(m)
             elif op == "W":
                 held.pop((st, mb), None)
             most = max(most, len(held))
             peak = max(peak, sum(held.values()) + self.kept)
+        for (st, mb) in [k for k in held if k[1] in self.drain.get(k[0], ())]:
+            # the drain's W's, before the step's REDUCE or STEP ([Note: drain split])
+            peak = max(peak, sum(held.values()) + self.kept + self.working(self.stages[st], "W"))
+            held.pop((st, mb))
         self.waiting_total = sum(held.values())  # what split stages still hold at the end
         return most, peak
 
@@ -480,6 +493,8 @@ def settings_of(config: Any, optimizer: str | None, batch_size: int | None,
     """The `MemorySettings` of a `tfsmp.config.Config` (``batch_size``: samples per step of
     one pipeline replica, None when not yet known), with the microbatches the runtime runs
     for a known batch (`step_microbatches`)."""
+    from tfsmp.schedule.run_plan import drain_count
+
     return MemorySettings(
         partitions=config.partitions,
         microbatches=step_microbatches(config.microbatches, batch_size),
@@ -487,7 +502,8 @@ def settings_of(config: Any, optimizer: str | None, batch_size: int | None,
         active_microbatches=config.active_microbatches, batch_size=max(batch_size or 1, 1),
         data_parallel=data_parallel, optimize=config.optimize, optimizer=optimizer,
         nonfinite=config.nonfinite,
-        shard_optimizer_state=bool(getattr(config, "shard_optimizer_state", False)))
+        shard_optimizer_state=bool(getattr(config, "shard_optimizer_state", False)),
+        drain=drain_count(config.optimize))
 
 
 def step_microbatches(microbatches: int, batch_size: int | None) -> int:

@@ -108,8 +108,14 @@ def check_memory(graph: LayerGraph, settings: MemorySettings, cap: float,
     ranks = predict_memory(plan, graph, settings)
     if fits(ranks, cap):
         return MemoryDecision(True, plan, settings, tuple(ranks), cap)
+    if settings.drain:  # the runtime's own choice, no change to the configuration
+        undrained = replace(settings, drain=0)  # [Note: drain split] in runtime/executor.py
+        plain_plan = replace(plan_for(undrained), drain_split=False)
+        plain_ranks = predict_memory(plain_plan, graph, undrained)
+        if fits(plain_ranks, cap):
+            return MemoryDecision(True, plain_plan, undrained, tuple(plain_ranks), cap)
     if allow_changes and settings.optimize == "speed":
-        lean = replace(settings, optimize="memory")
+        lean = replace(settings, optimize="memory", drain=0)
         lean_plan = plan_for(lean)
         lean_ranks = predict_memory(lean_plan, graph, lean)
         if fits(lean_ranks, cap):

@@ -147,8 +147,7 @@ def _excess(plan: StagePlan, graph: LayerGraph, settings: MemorySettings,
 
 
 def _with_note(plan: StagePlan, note: str) -> StagePlan:
-    return StagePlan(plan.num_stages, plan.stage_of, plan.boundaries, plan.stages, plan.planner,
-                     (*plan.notes, note), plan.ties)
+    return replace(plan, notes=(*plan.notes, note))
 
 
 def what_fits(graph: LayerGraph, settings: MemorySettings, cap: float, *,

@@ -75,6 +75,9 @@ class StagePlan:
     planner: str = "manual"
     notes: tuple[str, ...] = field(default=())
     ties: tuple[TiedCopies, ...] = field(default=())
+    # the run may split its drain's backwards ([Note: drain split] in
+    # tfsmp/runtime/executor.py); False where the plan fits its memory cap only without
+    drain_split: bool = True
 
     # -- construction -----------------------------------------------------------------------
 
@@ -213,6 +216,7 @@ class StagePlan:
             "notes": list(self.notes),
             "ties": [{**asdict(t), "variables": list(t.variables), "nodes": list(t.nodes),
                       "stages": list(t.stages)} for t in self.ties],
+            "drain_split": self.drain_split,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -238,6 +242,7 @@ class StagePlan:
                            param_bytes=t["param_bytes"],
                            trainable_param_bytes=t["trainable_param_bytes"])
                 for t in d.get("ties", [])),
+            drain_split=bool(d.get("drain_split", True)),
         )
 
 

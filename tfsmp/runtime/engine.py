@@ -98,7 +98,8 @@ class Engine:
         # [Note: one description of the run] in tfsmp/schedule/run_plan.py: the schedule run,
         # its split stages, and whether stages may update inside their backward
         self.run = RunPlan.for_config(config, data_parallel=comm.data.size,
-                                      tied=any(t.copies > 1 for t in plan.ties))
+                                      tied=any(t.copies > 1 for t in plan.ties),
+                                      drain=plan.drain_split)
         self.objective = objective
         shapes = BoundaryShapes.for_plan(traced, plan)  # [Note: dynamic boundaries]
         relax = _dynamic_inputs(traced, shapes)
@@ -130,7 +131,7 @@ class Engine:
         self.reduction = Reduction(comm.data, horovod=horovod, watch=_watched)
         self.executors = Executors(schedules, self.programs, plan, comm.pipeline, self.placement,
                                    num_ranks=config.partitions, rank_tag=rank_tag,
-                                   shapes=shapes)
+                                   shapes=shapes, drain=self.run.drain)
         self._tracer = tracer
         self._one_call: OneCallStep | bool | None = None  # False: not applicable
         self._shape = StepShape(0, (0,), 0, 0, 0, 0)  # the last training step's

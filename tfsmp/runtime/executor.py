@@ -202,7 +202,6 @@ class _Step:
 _POOL_SHAPES = 4  # distinct shapes per stream whose rings a dynamic-shape executor keeps
 _AHEAD = 2  # receives of a stream posted before waiting for the first ([Note: receives ahead])
 _FILLED = (Op.RECV_F, Op.RECV_B, Op.REDUCE, Op.STEP)  # what deferred W's may run before
-_DRAIN = 2  # microbatches whose W an unsplit stage runs after its last backward ([Note: drain split])
 _YIELD = 0.05  # seconds a wait yields the core between tests before it sleeps ([Note: polling])
 
 
@@ -223,7 +222,9 @@ class Executor:
         tracer: Tracer | None = None,
         rank_tag: str = "",
         shapes: BoundaryShapes | None = None,
+        drain: int = 0,
     ) -> None:
+        """``drain``: the run's `RunPlan.drain` ([Note: drain split]; 0: none)."""
         self.actions = actions
         self.programs = programs
         self.plan = plan
@@ -265,6 +266,7 @@ class Executor:
         }
         self._bound: tuple[list[Action] | None, list[tuple[Action, Callable[[Action], None]]]] = (
             None, [])  # `_handlers`: (the actions, each with its handler)
+        self.drain = drain
         self._drain: dict[int, frozenset[int]] | None = None  # on first use ([Note: drain split])
 
     # -- helpers -------------------------------------------------------------------------------
@@ -411,7 +413,9 @@ class Executor:
 
     def _drain_plan(self) -> dict[int, frozenset[int]]:
         """Per stage of this rank that has no W actions but sends gradients to another rank:
-        its last `_DRAIN` backwards' microbatches ([Note: drain split])."""
+        its last ``drain`` backwards' microbatches ([Note: drain split])."""
+        if self._drain is None and not self.drain:
+            self._drain = {}
         if self._drain is None:
             split = {a.stage for a in self.actions if a.op is Op.WEIGHT}
             remote = {a.stage for a in self.actions
@@ -420,7 +424,7 @@ class Executor:
             for a in self.actions:
                 if a.op is Op.BACKWARD and a.stage in remote and a.stage not in split:
                     order.setdefault(a.stage, []).append(_mb(a))
-            self._drain = {s: frozenset(mbs[-_DRAIN:]) for s, mbs in order.items()}
+            self._drain = {s: frozenset(mbs[-self.drain:]) for s, mbs in order.items()}
         return self._drain
 
     def _fill(self, a: Action) -> None:

@@ -37,7 +37,8 @@ class Executors:
 
     def __init__(self, schedules: Callable[[int], Lowered], programs: dict[int, StageProgram],
                  plan: StagePlan, group: Group, placement: Placement, *, num_ranks: int,
-                 rank_tag: str, shapes: BoundaryShapes | None) -> None:
+                 rank_tag: str, shapes: BoundaryShapes | None, drain: int = 0) -> None:
+        """``drain``: `RunPlan.drain` ([Note: drain split] in executor.py)."""
         self.schedules = schedules
         self.programs = programs
         self.plan = plan
@@ -45,6 +46,7 @@ class Executors:
         self.placement = placement
         self.num_ranks = num_ranks
         self.rank_tag = rank_tag
+        self.drain = drain
         self.shapes = shapes
         self.stall_timeout = 600.0
         self.tracer: Tracer | None = None
@@ -82,7 +84,8 @@ class Executors:
         if ex is None:
             ex = self.cache[(id(actions), m)] = Executor(
                 actions, self.programs, self.plan, self.group, self.num_ranks, m,
-                placement=self.placement, rank_tag=self.rank_tag, shapes=self.shapes)
+                placement=self.placement, rank_tag=self.rank_tag, shapes=self.shapes,
+                drain=self.drain)
         # read each step, as a new executor did: the limit and the tracer may change between steps
         ex.stall_timeout, ex.tracer = self.stall_timeout, self.tracer
         if track:

@@ -24,7 +24,10 @@ their own copy of the rules, and the copies drifted. Both now ask a `RunPlan`:
   microbatch, one data-parallel replica, one unsplit stage on the rank, no tied copies, no XLA
   and ``nonfinite='raise'`` -- and, known only where the optimizer is (the runtime, or a caller
   that names it), an optimizer that can update variable by variable (no ``global_clipnorm``,
-  ``gradient_accumulation_steps``, ``use_ema`` or loss scaling).
+  ``gradient_accumulation_steps``, ``use_ema`` or loss scaling);
+* which microbatches' backwards an unsplit stage splits at the step's end ([Note: drain split]
+  in tfsmp/runtime/executor.py): ``drain``, 0 in memory mode and where the plan's memory check
+  found the run fits its cap only without them (`tfsmp.partitioning.memory_check.check_memory`).
 
 Pure: imports neither TensorFlow nor mpi4py.
 """
@@ -41,7 +44,9 @@ from tfsmp.schedule.lowering import Lowered, lower
 from tfsmp.schedule.placement import Placement
 from tfsmp.schedule.registry import get
 
-__all__ = ["RunPlan"]
+__all__ = ["DRAIN", "RunPlan", "drain_count"]
+
+DRAIN = 2  # microbatches whose W an unsplit stage runs after its last backward ([Note: drain split])
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,12 @@ class RunPlan:
     tied: bool = False  # some trainable variable has copies on several stages
     xla: bool = False
     nonfinite: str = "raise"
+    drain: int = 0  # [Note: drain split] in tfsmp/runtime/executor.py
 
     @classmethod
     def of(cls, pipeline: str, partitions: int, microbatches: int, *, virtual_stages: int = 1,
            active_microbatches: int | None = None, data_parallel: int = 1, tied: bool = False,
-           xla: bool = False, nonfinite: str = "raise") -> RunPlan:
+           xla: bool = False, nonfinite: str = "raise", drain: int = 0) -> RunPlan:
         """The run of ``pipeline`` over ``partitions`` ranks at ``microbatches`` per step.
 
         Raises:
@@ -75,18 +81,20 @@ class RunPlan:
                                            active_microbatches=active_microbatches))
         return cls(pipeline, partitions, microbatches, chunks,
                    Placement.for_pipeline(pipeline, partitions, chunks), compute,
-                   active_microbatches, data_parallel, tied, xla, nonfinite)
+                   active_microbatches, data_parallel, tied, xla, nonfinite, drain)
 
     @classmethod
     def for_config(cls, config: Any, *, data_parallel: int = 1, tied: bool = False,
-                   microbatches: int | None = None) -> RunPlan:
+                   microbatches: int | None = None, drain: bool = True) -> RunPlan:
         """The run a `tfsmp.config.Config` asks for (``microbatches``: a step of another
-        count, as a batch too small for the config's)."""
+        count, as a batch too small for the config's; ``drain``: False where the plan fits
+        its memory cap only without the drain split, `StagePlan.drain_split`)."""
         return cls.of(config.pipeline, config.partitions, microbatches or config.microbatches,
                       virtual_stages=config.virtual_stages,
                       active_microbatches=config.active_microbatches,
                       data_parallel=data_parallel, tied=tied, xla=bool(config.xla),
-                      nonfinite=config.nonfinite)
+                      nonfinite=config.nonfinite,
+                      drain=drain_count(config.optimize) if drain else 0)
 
     def with_microbatches(self, microbatches: int) -> RunPlan:
         """The same run for a step of ``microbatches`` (a short batch runs fewer)."""
@@ -104,6 +112,20 @@ class RunPlan:
         """Stages whose backward is split into B and W ([Note: split stages])."""
         return frozenset(a.stage for actions in self.compute.values() for a in actions
                          if a.op is Op.WEIGHT)
+
+    def drain_microbatches(self, stage: int) -> frozenset[int]:
+        """The microbatches whose backward ``stage`` splits at the step's end ([Note: drain
+        split] in tfsmp/runtime/executor.py): its last ``drain`` backwards, on a stage without
+        W actions whose producer is on another rank. (The executor also needs the stage to
+        send gradients there, which only its lowered actions say: this is the memory model's
+        upper bound.)"""
+        if not self.drain or stage == 0 or stage in self.split_stages:
+            return frozenset()
+        if self.placement.rank(stage - 1) == self.placement.rank(stage):
+            return frozenset()
+        order = [a.microbatch for a in self.compute.get(self.placement.rank(stage), [])
+                 if a.stage == stage and a.op is Op.BACKWARD and a.microbatch is not None]
+        return frozenset(order[-self.drain:])
 
     def stages(self, rank: int) -> list[int]:
         return self.placement.stages(rank)
@@ -141,3 +163,10 @@ class RunPlan:
         dp = self.data_parallel > 1 if data_parallel is None else data_parallel
         return Lowered(lower(self.compute, links, self.num_ranks, data_parallel=dp,
                              placement=self.placement), self.placement)
+
+
+def drain_count(optimize: str) -> int:
+    """How many microbatches' backwards an unsplit stage splits ([Note: drain split] in
+    tfsmp/runtime/executor.py): `DRAIN` in speed mode; none in memory mode, whose backward
+    recomputes the forward, where the W's inputs would be held beyond what the stage holds."""
+    return DRAIN if optimize == "speed" else 0
