@@ -5,7 +5,7 @@ linear layers keep no gradient accumulator; at the step's end every replica gath
 replicas' saved inputs and pre-activation gradients and computes each weight gradient for the
 whole batch inside its update (with sharded optimizer state only the owner updates, and the
 weight exchange gives the others its values). At one microbatch and one replica the same comes
-before a direct update where it pays ([Note: late before direct]). One launch of 4 ranks, 7 cases
+before a direct update where it pays ([Note: late before direct]). One launch of 4 ranks, 8 cases
 (tests/mpi/scripts/late_replica_cases.py); plain Keras is the reference.
 """
 
@@ -17,7 +17,7 @@ from tests.mpihelp import SCRIPTS, assert_ok, run_cases
 
 pytestmark = pytest.mark.mpi
 
-CASES = ["case_p2d2_m4", "case_p2d2_m4_sharded", "case_p2d2_m1_sharded", "case_p1d4_m2_sharded",
+CASES = ["case_p2d2_m4", "case_p2d2_m4_speed", "case_p2d2_m4_sharded", "case_p2d2_m1_sharded", "case_p1d4_m2_sharded",
          "case_p4_m1_late_before_direct"]
 SETTLED = "case_p1d4_m2_first_batch_of_one"
 DIRECT = "case_p4_m1_direct_where_late_does_not_pay"

@@ -32,7 +32,7 @@ holds: [Note: receive buffers] in buffers.py).
 [Note: drain split] In a schedule without W actions (1F1B, GPipe, interleaved), a stage's last
 backwards are the pipeline's drain: the stage before it waits for their gradients, and on its
 own rank nothing waits for their weight gradients before the step's end. So a stage that sends
-gradients to another rank splits the backward of its last `_DRAIN` microbatches as a
+gradients to another rank splits the backward of its last `RunPlan.drain` microbatches as a
 zero-bubble stage splits every one ([Note: split stages] in tfsmp/runtime/stage.py): B computes
 what it sends, and the executor runs their W's (in microbatch order, so every accumulator sums
 the same terms in the same order) while the rank would wait for a message, or else before the
@@ -43,9 +43,17 @@ backward 39.6 ms; with its last W deferred, the first stage starts its last back
 earlier, and with two, the last stage's W's (44 ms) about cover that backward. A split costs
 about 1.7 ms of the rank's time per microbatch (a second compiled call, the slots), so only
 the drain is split; a zero-bubble stage's W's are the schedule's, and a stage that sends no
-gradients, or to a stage on its own rank only, has no drain to shorten. The held inputs and
-pre-activation gradients of `_DRAIN` microbatches are less than the activations the stage held
-for them before their backward.
+gradients, or to a stage on its own rank only, has no drain to shorten.
+
+What it costs in memory: from B to W a drained microbatch holds its linear layers' inputs and
+pre-activation gradients, less than the stage held for it before its B, but the fused last
+stage held nothing between microbatches before, and now holds one or two microbatches' worth
+while its last fused calls run (hundreds of MiB on a GPT-2 stage at 8 rows). So it is a
+decision of the `RunPlan` (`drain`: `DRAIN` in speed mode, none in memory mode, whose backward
+recomputes the forward), which the memory model prices (the activation walk holds a drained
+microbatch from its B to the step's end, `RunPlan.drain_microbatches`), and which the plan's
+memory check drops where the run fits its cap only without it (`StagePlan.drain_split`, so
+every rank runs what rank 0 planned).
 
 [Note: tags] A message is one boundary tensor of one microbatch in one direction; its tag comes
 from `tfsmp.schedule.actions.message_tag` (boundary index, consumer stage, microbatch, direction),
@@ -668,7 +676,7 @@ class Executor:
                for b in prog.send]
         grads = prog.backward(mb, dys)
         step.grad_out[(a.stage, mb)] = {b.index: g for b, g in zip(prog.recv, grads)}
-        if mb in prog.drain and prog.has_weight_work(mb):  # [Note: drain split]
+        if prog.has_weight_work(mb):  # [Note: drain split]
             step.deferred.append((a.stage, mb))
 
     def _weight(self, a: Action) -> None:

@@ -616,8 +616,12 @@ class StageProgram:
         return self.grads.take_fresh() if split else self.grads.take_fresh_all()
 
     def has_weight_work(self, i: int) -> bool:
-        """Whether microbatch ``i``'s W has deferred weight gradients left to compute."""
-        return i in self._weight_work
+        """Whether microbatch ``i``'s W is a drain W left to run ([Note: drain split]): its
+        backward deferred weight gradients on a stage that is neither split (its W's are the
+        schedule's) nor late (the step's end computes them inside the update: [Note: weights
+        at the step's end], where the accumulators of linear layers are placeholders)."""
+        return (i in self.drain and i in self._weight_work and not self.split
+                and not self.late)
 
     def _slots(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor
                ) -> list[tf.Tensor]:
