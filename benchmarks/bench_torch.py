@@ -36,7 +36,8 @@ SKIP = "torch is not installed (pip install -e .[bench-torch]): the peer benchma
 # tfsmp/runtime/stage.py; TFSMP_TAPED_BACKWARD=1 while it is built), a second model stepped in
 # the same rounds: before and after, side by side.
 TFSMP = {"1F1B": ("interleaved", 1, True), "GPipe": ("simple", 1, False),
-         "zb-h1": ("zb-h1", 1, True), "interleaved v=2": ("interleaved", 2, False)}
+         "zb-h1": ("zb-h1", 1, True), "interleaved v=2": ("interleaved", 2, False),
+         "zb-v": ("zb-v", 2, False)}
 
 
 def settings(quick: bool) -> dict[str, Any]:
