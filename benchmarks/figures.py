@@ -53,7 +53,8 @@ def _overhead(r: dict[str, Any]) -> Figures:
             "overhead.q3": row["overhead"]["q3"], "overhead.extra_ms": row["overhead_ms"],
             "overhead.keras_ms": 1000 * row["keras_step"],
             "overhead.missed_by": _median(row["overhead"]) - OVERHEAD_GOAL,
-            "overhead.tracing_on": _median(row["tracing_on"])}
+            "overhead.tracing_on": _median(row["tracing_on"]),
+            "overhead.cpu": _median(row["overhead_cpu"])}
 
 
 def _speedup(r: dict[str, Any]) -> Figures:
