@@ -6,7 +6,10 @@ interleaved and zero-bubble schedules hold 2 stages of 2 layers per rank). One M
 both: every rank imports TensorFlow and torch, and per round each arm runs one training step
 (schedule + optimizer step) in turn, rank by rank in lockstep: the tfsmp configuration under
 test, then every torch schedule, then (rank 0 alone) plain Keras and plain torch in one process
-× 1 thread ([Note: measuring on a shared machine] in common.py). The figures are per-round
+× 1 thread ([Note: measuring on a shared machine] in common.py). Each side steps on its own
+framework's tensors, made once before the rounds (torch's `from_numpy`, TensorFlow's
+`tf.constant`); until 2026-12-05 the Keras and tfsmp arms were handed the NumPy arrays, so
+each of their steps also converted 16 MB that torch's did not. The figures are per-round
 ratios: torch's step time over tfsmp's (> 1: tfsmp is faster), against torch's 1F1B and
 against the fastest torch schedule of that round; and each side's speed-up over its own
 single-process step, as a fraction of the ideal p·m/(m+p−1).
@@ -64,8 +67,11 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     torchhelp.setup(threads)
     rank = tfhelp.world().Get_rank()
     width, depth, batch, m, lr = args["width"], args["depth"], args["batch"], args["m"], args["lr"]
-    x, y = tfhelp.make_data(batch, width)
-    tx, ty = torchhelp.tensors(x, y)
+    import tensorflow as tf
+
+    x_np, y_np = tfhelp.make_data(batch, width)
+    tx, ty = torchhelp.tensors(x_np, y_np)
+    x, y = tf.constant(x_np), tf.constant(y_np)  # made once, as torch's are
     keras_plain = tfhelp.dense_stack(width, depth)
     keras_plain.compile(optimizer=_sgd(lr), loss="mse", jit_compile=False)
     torch_plain = torchhelp.PlainArm.build(width, depth, lr)

@@ -162,7 +162,7 @@ def concurrency_efficiency(model: Any, x: np.ndarray, y: np.ndarray, rounds: int
     return float(median(ratios)) if ratios else None
 
 
-def batch_step_time(model: Any, x: np.ndarray, y: np.ndarray) -> float:
+def batch_step_time(model: Any, x: Any, y: Any) -> float:
     """Seconds of one `train_on_batch` step on the whole of ``x``, ``y``: the finest grain at
     which two arms can alternate (a `fit` call spends its first batch on set-up)."""
     start = time.perf_counter()
