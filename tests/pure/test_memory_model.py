@@ -338,6 +338,7 @@ def test_the_drain_split_is_priced_and_dropped_where_only_its_absence_fits() -> 
     cap = (max(r.total for r in plain) + max(r.total for r in split)) / 2
     decision = check_memory(g, drained, cap, lambda s: plan)
     assert decision.fits and decision.settings.drain == 0 and not decision.plan.drain_split
+    assert "no drain split" in decision.message()
     roomy = check_memory(g, drained, split[1].total * 2, lambda s: plan)
     assert roomy.fits and roomy.settings.drain == DRAIN and roomy.plan.drain_split
     assert StagePlan.from_json(decision.plan.to_json()).drain_split is False

@@ -105,3 +105,27 @@ def test_the_last_backwards_of_stages_that_send_gradients_to_another_rank() -> N
     v2 = _drain_plans("interleaved", 2, 8, v=2)  # stages 0, 2 on rank 0; 1, 3 on rank 1
     assert v2 == {0: {2: last}, 1: {1: last, 3: last}}
     assert _drain_plans("interleaved", 2, 1) == {0: {}, 1: {1: frozenset({0})}}
+
+
+def test_a_partition_file_keeps_its_drain_decision(tmp_path: Any) -> None:
+    """A plan checked without the drain split (`tfsmp run --memory-per-rank`'s file) runs
+    without it: `make_plan` rebuilds the file's assignment and keeps ``drain_split``, which
+    the engine's `RunPlan` reads."""
+    from dataclasses import replace
+
+    from tfsmp.config import Config
+    from tfsmp.runtime.setup import make_plan
+
+    x = keras.Input((WIDTH,), name="x")
+    h = x
+    for k in range(4):
+        h = keras.layers.Dense(WIDTH, name=f"d{k}")(h)
+    traced = trace(keras.Model(x, h))
+    plan = StagePlan.from_assignment(traced.graph, {f"d{k}": k // 2 for k in range(4)}, 2)
+    for drain in (False, True):
+        path = tmp_path / f"plan_{drain}.json"
+        path.write_text(replace(plan, drain_split=drain).to_json())
+        config = Config(partitions=2, optimize="speed", partition_file=str(path))
+        got = make_plan(traced, config)
+        assert got.drain_split is drain
+        assert RunPlan.for_config(config, drain=got.drain_split).drain == (DRAIN if drain else 0)

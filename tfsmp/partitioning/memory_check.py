@@ -113,7 +113,9 @@ def check_memory(graph: LayerGraph, settings: MemorySettings, cap: float,
         plain_plan = replace(plan_for(undrained), drain_split=False)
         plain_ranks = predict_memory(plain_plan, graph, undrained)
         if fits(plain_ranks, cap):
-            return MemoryDecision(True, plain_plan, undrained, tuple(plain_ranks), cap)
+            return MemoryDecision(True, plain_plan, undrained, tuple(plain_ranks), cap,
+                                  changes=("no drain split (the W's it defers would hold their "
+                                           "linear inputs past the cap)",))
     if allow_changes and settings.optimize == "speed":
         lean = replace(settings, optimize="memory", drain=0)
         lean_plan = plan_for(lean)

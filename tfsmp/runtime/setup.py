@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tfsmp import errors
@@ -43,8 +44,9 @@ def make_plan(traced: Any, config: Any, optimizer: Any = None, manual: dict[str,
                 f"The plan in partition_file must have partitions × virtual_stages stages. "
                 f"Received: {plan.num_stages} stages in {config.partition_file}, config wants "
                 f"{config.num_stages}.")
-        plan = StagePlan.from_assignment(traced.graph, plan.stage_of, plan.num_stages,
-                                         planner="file")
+        drain_split = plan.drain_split  # [Note: drain split]: as the file's check decided
+        plan = replace(StagePlan.from_assignment(traced.graph, plan.stage_of, plan.num_stages,
+                                                 planner="file"), drain_split=drain_split)
         return _within_cap(traced.graph, settings, lambda s: plan)
     from tfsmp.partitioning.planner import plan_graph
 
