@@ -12,7 +12,7 @@ produced tensors, posted receives, pending sends, the result) lives in a `_Step`
 so no step reads another's leftovers.
 
 [Note: pre-posted receives] Every send is non-blocking (``Isend``), and each receive is posted
-(``Irecv``) before the rank waits for it, a few microbatches ahead ([Note: receives ahead]). Large
+(``Irecv``) before the rank waits for it, ahead of its action ([Note: receives ahead]). Large
 messages travel by MPI's rendezvous protocol, so a blocking send would stall until its peer
 reached the matching receive (measured on a 2-stage prototype, 16 steps at batch 512: 2.97 s
 with blocking sends and receives posted at their action, 2.04 s non-blocking and pre-posted,
@@ -21,13 +21,20 @@ whose receives are satisfiable in order cannot deadlock, which is what the sched
 checks.
 
 [Note: receives ahead] A step posts, per message stream (the boundary tensors between one pair
-of stages in one direction), the receives of its first `_AHEAD` microbatches, and each receive
-action posts the stream's next ones before it waits, so while a rank waits for microbatch i the
-message of microbatch i + 1 can already land. Posting every receive of the step at its start
-would need a buffer per message; this way a stream cycles through a ring of about `_AHEAD`
-buffers that stay in the CPU's caches, as long as its tensors are consumed (a stage keeping
-its received activations for the backward holds their buffers, and the ring grows to what it
-holds: [Note: receive buffers] in buffers.py).
+of stages in one direction), the receive of its first microbatch, and once the receive of
+microbatch i is in, the stream's next one is posted at the rank's next wait (the next receive
+action's, before it waits, whichever stream that is), so while the rank waits for another
+stream (a backward's gradients, say) the message of microbatch i + 1 can already land. A stream
+has `_AHEAD` = 1 receive in flight at a time, and the buffer of microbatch i is free again by
+the time i + 1 is posted whenever the action after the receive consumed its tensor, so such a
+stream cycles through one buffer that stays in the CPU's caches (a stage keeping its received
+activations for the backward holds their buffers, and the ring grows to what it holds:
+[Note: receive buffers] in buffers.py). Posting i + 1 before waiting for i, as the runtime did
+until issue 30, let nothing land sooner (a stream's messages arrive in order, i + 1 after i) but
+needed a second buffer while i's tensor was still held: measured in raw mpi4py ping-pongs on
+this host (2026-12-05, quiet), receiving into two alternating buffers instead of one cost
+8-12 % at 4-16 MB (the buffers and the sent tensor no longer fit the shared 32 MB cache
+together). Posting every receive of the step at its start would need a buffer per message.
 
 [Note: drain split] In a schedule without W actions (1F1B, GPipe, interleaved), a stage's last
 backwards are the pipeline's drain: the stage before it waits for their gradients, and on its
@@ -198,6 +205,7 @@ class _Step:
     mb_shapes: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
     posted: dict[int, _Pending] = field(default_factory=dict)  # by `_Receive.key`
     ahead: dict[int, int] = field(default_factory=dict)  # id(stream queue) -> receives posted
+    due: list[_Receive] = field(default_factory=list)  # posted at the next wait ([Note: receives ahead])
     mailbox: dict[_Key, list[tf.Tensor]] = field(default_factory=dict)
     received: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
     produced: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
@@ -208,7 +216,7 @@ class _Step:
 
 
 _POOL_SHAPES = 4  # distinct shapes per stream whose rings a dynamic-shape executor keeps
-_AHEAD = 2  # receives of a stream posted before waiting for the first ([Note: receives ahead])
+_AHEAD = 1  # receives of a stream in flight at once ([Note: receives ahead])
 _FILLED = (Op.RECV_F, Op.RECV_B, Op.REDUCE, Op.STEP)  # what deferred W's may run before
 _YIELD = 0.05  # seconds a wait yields the core between tests before it sleeps ([Note: polling])
 
@@ -445,8 +453,11 @@ class Executor:
                 self._run_deferred(s, mb)
             return
         r = self._by_action.get(id(a))
-        pending = self._now.posted.get(r.key) if r is not None else None
-        if pending is None:  # in memory: nothing to wait for
+        if r is None:  # in memory: nothing to wait for
+            return
+        self._post_due()  # ``a``'s own receive may be among them ([Note: receives ahead])
+        pending = self._now.posted.get(r.key)
+        if pending is None:
             return
         while deferred and not testall(pending.requests):
             self._run_deferred(*deferred.pop(0))
@@ -473,6 +484,15 @@ class Executor:
         self.pool.begin_step()
         for queue in self._queues:
             self._post_ahead(queue[0])
+
+    def _post_due(self) -> None:
+        """Posts the receives due at this wait: each stream's next, once its previous is in
+        ([Note: receives ahead])."""
+        due = self._now.due
+        if due:
+            for q in due:
+                self._post_ahead(q)
+            due.clear()
 
     def _post_ahead(self, r: _Receive) -> None:
         """Posts the receives of ``r``'s stream up to `_AHEAD` - 1 past ``r``."""
@@ -605,12 +625,16 @@ class Executor:
             producer, consumer = (a.stage, peer) if backward else (peer, a.stage)
             return (self._pair(producer, consumer, backward),
                     self._now.mailbox.pop((a.op, a.stage, peer, _mb(a))))
-        self._post_ahead(r)  # [Note: receives ahead]
-        pending = self._now.posted.pop(r.key)
+        step = self._now
+        self._post_due()
+        self._post_ahead(r)
+        pending = step.posted.pop(r.key)
         if pending.header_requests:  # before the data, which a larger message would overrun
             self._check_headers(pending, a)
         self._wait(pending.requests, lambda: f"{'gradients' if r.backward else 'activations'} "
                    f"of microbatch {r.microbatch} from stage {_peer(a)}")
+        if r.position + 1 < len(r.queue):
+            step.due.append(r.queue[r.position + 1])
         if not pending.copied:
             return pending.boundaries, pending.tensors
         tensor = self.pool.tensor  # pool buffers are aligned: `aligned_empty`
