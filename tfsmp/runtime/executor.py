@@ -163,6 +163,7 @@ class _Receive:
     wired: bool  # some boundary's type travels as unsigned ints (`wire`: bfloat16)
     queue: list[_Receive] = field(default_factory=list, compare=False, repr=False)  # its stream's
     position: int = 0  # its index in ``queue``
+    single: bool = False  # one boundary, aliased, not wired: `_post_ahead`'s common case
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ class _Send:
     peer: int
     microbatch: int
     consumer: int
+    single: bool = False  # one boundary, not wired: `_transmit`'s common case
 
 
 @dataclass
@@ -253,6 +255,8 @@ class Executor:
         self.rank_tag = rank_tag
         self.current: Action | str | None = None  # what runs now (stall messages name it)
         self.step_state: _Step | None = None  # the running or last step ([Note: plan and step])
+        # the same step where one runs: an attribute, not a property (read a dozen times a message)
+        self._now: _Step
         self.watchdog = wd.for_process()  # None outside a multi-rank MPI job
         self._pairs: dict[tuple[int, int], list[Boundary]] = {}
         for b in plan.boundaries:
@@ -264,7 +268,8 @@ class Executor:
             max((b.index for b in plan.boundaries), default=-1) + 1, plan.num_stages, self.m)
         # [Note: message plan] Everything about a message that does not change between steps
         # (its boundaries, tags, peer rank, pool keys, numpy type, whether DLPack can alias it)
-        # is computed once per executor; a step only picks buffers, posts and completes requests.
+        # is computed once per executor; a step only picks buffers, posts and completes requests
+        # (a message of one boundary, the common case, without the lists' loops: `single`).
         streams = {(a.op is Op.RECV_B, a.stage, _peer(a)) for a in actions
                    if a.op in (Op.RECV_F, Op.RECV_B)}
         self.pool = ReceivePool(plan.boundaries, _POOL_SHAPES * sum(
@@ -300,11 +305,6 @@ class Executor:
     def _tag(self, b: Boundary, consumer: int, mb: int, backward: bool) -> int:
         return message_tag(b.index, consumer, mb, backward, self.plan.num_stages, self.m)
 
-    @property
-    def _now(self) -> _Step:
-        """The running step."""
-        return self.step_state  # type: ignore[return-value]
-
     def _shape(self, b: Boundary, mb: int) -> tuple[int, ...]:
         """The full shape of boundary ``b`` in microbatch ``mb`` (batch axis first)."""
         if self.shapes is None:
@@ -319,7 +319,8 @@ class Executor:
     def _wait(self, requests: list[Request], what: str | Callable[[], str]) -> None:
         """Waits for requests, polling so that a stall is diagnosed instead of hanging.
 
-        [Note: polling] Each poll tests all requests in one call (MPI ``Testall``). For its first
+        [Note: polling] Each poll tests all requests in one call (MPI ``Testall``; a single
+        request, the common case, through its own ``test``, a call less per poll). For its first
         `Group.spin` seconds a wait polls without pause, as MPI's own blocking wait does; then,
         up to 50 ms, it yields the core between tests, and longer waits back off to 1 ms
         sleeps, so an idle rank does not starve a computing one on an oversubscribed host.
@@ -337,17 +338,19 @@ class Executor:
         and building the text and writing the status record (a few microseconds) in every
         wait that is over within a message's time would cost more than the wait.
         """
-        if testall(requests):  # one MPI call for the common case: already there
+        # one boundary per message is the common case: its request's own test, one call less
+        test = requests[0].test if len(requests) == 1 else lambda: testall(requests)
+        if test():  # one MPI call for the common case: already there
             return
         start = time.monotonic()
         spin_until = start + self.group.spin
         while time.monotonic() < spin_until:
-            if testall(requests):
+            if test():
                 return
         yield_until = start + _YIELD
         while True:
             os.sched_yield()
-            if testall(requests):
+            if test():
                 return
             if time.monotonic() > yield_until:
                 break
@@ -385,8 +388,8 @@ class Executor:
         ([Note: the head] in hooks.py); what it returns is kept in ``result.outputs[i]``."""
         if self.step_state is not None and self.step_state.posted:  # ended early: still posted
             self.pool.reset()
-        step = self.step_state = _Step(list(microbatches), mode, hooks, head,
-                                 StepResult(microbatches=list(microbatches)))
+        step = self.step_state = self._now = _Step(
+            list(microbatches), mode, hooks, head, StepResult(microbatches=list(microbatches)))
         if mode.train:
             drain = self._drain_plan() if not mode.collect else {}
             for s, prog in self.programs.items():
@@ -505,6 +508,12 @@ class Executor:
         irecv, dynamic, posted = self.group.irecv, self.shapes is not None, self._now.posted
         buffer = self.pool.buffer
         for q in queue[done:end]:
+            if q.single and not dynamic:  # without the lists' loops: a microsecond a message
+                b = q.boundaries[0]
+                buf = buffer(q.streams[0], b, self._shape(b, q.microbatch))
+                posted[q.key] = _Pending(q.boundaries, [buf], [irecv(buf, q.src, q.tags[0])],
+                                         [pool_tensor(buf, True)], False)
+                continue
             buffers = [buffer(k, b, self._shape(b, q.microbatch))
                        for k, b in zip(q.streams, q.boundaries)]
             reqs = [irecv(wire(buf) if q.wired else buf, q.src, tag)
@@ -536,7 +545,9 @@ class Executor:
                 [self._tag(b, consumer, mb, backward) for b in bs],
                 self._rank(peer), consumer, mb, backward,
                 [self.pool.dlpack[b.index] for b in bs],
-                any(wired(self.pool.dtypes[b.index]) for b in bs), queue, len(queue))
+                any(wired(self.pool.dtypes[b.index]) for b in bs), queue, len(queue),
+                len(bs) == 1 and self.pool.dlpack[bs[0].index]
+                and not wired(self.pool.dtypes[bs[0].index]))
             queue.append(r)
             out[r.key] = self._by_action[id(a)] = r
         self._queues = list(queues.values())
@@ -578,7 +589,8 @@ class Executor:
                 [self.pool.dtypes[b.index] for b in bs],
                 any(wired(self.pool.dtypes[b.index]) for b in bs),
                 self.shapes is not None and not backward and any(is_dynamic(b.shape) for b in bs),
-                peer, mb, consumer)
+                peer, mb, consumer, len(bs) == 1 and not any(wired(self.pool.dtypes[b.index])
+                                                             for b in bs))
         return found
 
     def _transmit(self, s: _Send, tensors: list[tf.Tensor]) -> None:
@@ -592,6 +604,10 @@ class Executor:
                 if is_dynamic(b.shape):
                     self._send_header(b, t, s.peer, s.microbatch, s.consumer)
         isend, sends, dest = self.group.isend, self._now.sends, s.dest
+        if s.single:  # one boundary, sent as it is: the common case, without a loop
+            buf = host_view(tensors[0], s.dtypes[0])
+            sends.append((isend(buf, dest, s.tags[0]), buf))
+            return
         for t, tag, dtype in zip(tensors, s.tags, s.dtypes):
             buf = wire(host_view(t, dtype)) if s.wired else host_view(t, dtype)
             sends.append((isend(buf, dest, tag), buf))
@@ -627,8 +643,10 @@ class Executor:
                     self._now.mailbox.pop((a.op, a.stage, peer, _mb(a))))
         step = self._now
         self._post_due()
-        self._post_ahead(r)
-        pending = step.posted.pop(r.key)
+        pending = step.posted.pop(r.key, None)
+        if pending is None:  # posted above in a step that runs its receives in order
+            self._post_ahead(r)
+            pending = step.posted.pop(r.key)
         if pending.header_requests:  # before the data, which a larger message would overrun
             self._check_headers(pending, a)
         self._wait(pending.requests, lambda: f"{'gradients' if r.backward else 'activations'} "
