@@ -649,10 +649,10 @@ class Executor:
             pending = step.posted.pop(r.key)
         if pending.header_requests:  # before the data, which a larger message would overrun
             self._check_headers(pending, a)
+        if r.position + 1 < len(r.queue):  # posted at the next wait, not this one's
+            step.due.append(r.queue[r.position + 1])
         self._wait(pending.requests, lambda: f"{'gradients' if r.backward else 'activations'} "
                    f"of microbatch {r.microbatch} from stage {_peer(a)}")
-        if r.position + 1 < len(r.queue):
-            step.due.append(r.queue[r.position + 1])
         if not pending.copied:
             return pending.boundaries, pending.tensors
         tensor = self.pool.tensor  # pool buffers are aligned: `aligned_empty`
