@@ -207,7 +207,7 @@ class _Step:
     mb_shapes: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
     posted: dict[int, _Pending] = field(default_factory=dict)  # by `_Receive.key`
     ahead: dict[int, int] = field(default_factory=dict)  # id(stream queue) -> receives posted
-    due: list[_Receive] = field(default_factory=list)  # posted at the next wait ([Note: receives ahead])
+    due: list[_Receive] = field(default_factory=list)  # next wait's posts: [Note: receives ahead]
     mailbox: dict[_Key, list[tf.Tensor]] = field(default_factory=dict)
     received: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
     produced: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
