@@ -128,9 +128,9 @@ class ReceivePool:
     it (a DLPack tensor keeps a reference to its array until TensorFlow frees the tensor,
     so the array's reference count says so, `held`); only when none is free does the ring
     grow. So a stage that consumes each received tensor before the next arrives (the last
-    stage, and every backward receive) cycles through as many buffers as it posts ahead
-    ([Note: receives ahead] in executor.py), which stay in the CPU's caches, where one
-    buffer per message of the step would write every microbatch to memory that left them
+    stage, and every backward receive) cycles through one buffer, as it has one receive in
+    flight at a time ([Note: receives ahead] in executor.py), which stays in the CPU's caches,
+    where one buffer per message of the step would write every microbatch to memory that left them
     (at 256 KB messages that alone made a ping-pong 3x slower, `benchmarks/bench_p2p.py`);
     and a tensor kept beyond its step (an output the user kept, say) keeps its buffer: when
     a ring grows, the buffers still held that an earlier step took are left to their

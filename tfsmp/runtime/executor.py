@@ -12,7 +12,7 @@ produced tensors, posted receives, pending sends, the result) lives in a `_Step`
 so no step reads another's leftovers.
 
 [Note: pre-posted receives] Every send is non-blocking (``Isend``), and each receive is posted
-(``Irecv``) before the rank waits for it, a few microbatches ahead ([Note: receives ahead]). Large
+(``Irecv``) before the rank waits for it, ahead of its action ([Note: receives ahead]). Large
 messages travel by MPI's rendezvous protocol, so a blocking send would stall until its peer
 reached the matching receive (measured on a 2-stage prototype, 16 steps at batch 512: 2.97 s
 with blocking sends and receives posted at their action, 2.04 s non-blocking and pre-posted,
@@ -21,13 +21,20 @@ whose receives are satisfiable in order cannot deadlock, which is what the sched
 checks.
 
 [Note: receives ahead] A step posts, per message stream (the boundary tensors between one pair
-of stages in one direction), the receives of its first `_AHEAD` microbatches, and each receive
-action posts the stream's next ones before it waits, so while a rank waits for microbatch i the
-message of microbatch i + 1 can already land. Posting every receive of the step at its start
-would need a buffer per message; this way a stream cycles through a ring of about `_AHEAD`
-buffers that stay in the CPU's caches, as long as its tensors are consumed (a stage keeping
-its received activations for the backward holds their buffers, and the ring grows to what it
-holds: [Note: receive buffers] in buffers.py).
+of stages in one direction), the receive of its first microbatch, and once the receive of
+microbatch i is in, the stream's next one is posted at the rank's next wait (the next receive
+action's, before it waits, whichever stream that is), so while the rank waits for another
+stream (a backward's gradients, say) the message of microbatch i + 1 can already land. A stream
+has `_AHEAD` = 1 receive in flight at a time, and the buffer of microbatch i is free again by
+the time i + 1 is posted whenever the action after the receive consumed its tensor, so such a
+stream cycles through one buffer that stays in the CPU's caches (a stage keeping its received
+activations for the backward holds their buffers, and the ring grows to what it holds:
+[Note: receive buffers] in buffers.py). Posting i + 1 before waiting for i, as the runtime did
+until issue 30, let nothing land sooner (a stream's messages arrive in order, i + 1 after i) but
+needed a second buffer while i's tensor was still held: measured in raw mpi4py ping-pongs on
+this host (2026-12-05, quiet), receiving into two alternating buffers instead of one cost
+8-12 % at 4-16 MB (the buffers and the sent tensor no longer fit the shared 32 MB cache
+together). Posting every receive of the step at its start would need a buffer per message.
 
 [Note: drain split] In a schedule without W actions (1F1B, GPipe, interleaved), a stage's last
 backwards are the pipeline's drain: the stage before it waits for their gradients, and on its
@@ -156,6 +163,7 @@ class _Receive:
     wired: bool  # some boundary's type travels as unsigned ints (`wire`: bfloat16)
     queue: list[_Receive] = field(default_factory=list, compare=False, repr=False)  # its stream's
     position: int = 0  # its index in ``queue``
+    single: bool = False  # one boundary, aliased, not wired: `_post_ahead`'s common case
 
 
 @dataclass(frozen=True)
@@ -173,6 +181,7 @@ class _Send:
     peer: int
     microbatch: int
     consumer: int
+    single: bool = False  # one boundary, not wired: `_transmit`'s common case
 
 
 @dataclass
@@ -198,6 +207,7 @@ class _Step:
     mb_shapes: list[dict[int, tuple[int, ...]]] = field(default_factory=list)
     posted: dict[int, _Pending] = field(default_factory=dict)  # by `_Receive.key`
     ahead: dict[int, int] = field(default_factory=dict)  # id(stream queue) -> receives posted
+    due: list[_Receive] = field(default_factory=list)  # next wait's posts: [Note: receives ahead]
     mailbox: dict[_Key, list[tf.Tensor]] = field(default_factory=dict)
     received: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
     produced: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
@@ -208,7 +218,7 @@ class _Step:
 
 
 _POOL_SHAPES = 4  # distinct shapes per stream whose rings a dynamic-shape executor keeps
-_AHEAD = 2  # receives of a stream posted before waiting for the first ([Note: receives ahead])
+_AHEAD = 1  # receives of a stream in flight at once ([Note: receives ahead])
 _FILLED = (Op.RECV_F, Op.RECV_B, Op.REDUCE, Op.STEP)  # what deferred W's may run before
 _YIELD = 0.05  # seconds a wait yields the core between tests before it sleeps ([Note: polling])
 
@@ -245,6 +255,8 @@ class Executor:
         self.rank_tag = rank_tag
         self.current: Action | str | None = None  # what runs now (stall messages name it)
         self.step_state: _Step | None = None  # the running or last step ([Note: plan and step])
+        # the same step where one runs: an attribute, not a property (read a dozen times a message)
+        self._now: _Step
         self.watchdog = wd.for_process()  # None outside a multi-rank MPI job
         self._pairs: dict[tuple[int, int], list[Boundary]] = {}
         for b in plan.boundaries:
@@ -256,7 +268,8 @@ class Executor:
             max((b.index for b in plan.boundaries), default=-1) + 1, plan.num_stages, self.m)
         # [Note: message plan] Everything about a message that does not change between steps
         # (its boundaries, tags, peer rank, pool keys, numpy type, whether DLPack can alias it)
-        # is computed once per executor; a step only picks buffers, posts and completes requests.
+        # is computed once per executor; a step only picks buffers, posts and completes requests
+        # (a message of one boundary, the common case, without the lists' loops: `single`).
         streams = {(a.op is Op.RECV_B, a.stage, _peer(a)) for a in actions
                    if a.op in (Op.RECV_F, Op.RECV_B)}
         self.pool = ReceivePool(plan.boundaries, _POOL_SHAPES * sum(
@@ -292,11 +305,6 @@ class Executor:
     def _tag(self, b: Boundary, consumer: int, mb: int, backward: bool) -> int:
         return message_tag(b.index, consumer, mb, backward, self.plan.num_stages, self.m)
 
-    @property
-    def _now(self) -> _Step:
-        """The running step."""
-        return self.step_state  # type: ignore[return-value]
-
     def _shape(self, b: Boundary, mb: int) -> tuple[int, ...]:
         """The full shape of boundary ``b`` in microbatch ``mb`` (batch axis first)."""
         if self.shapes is None:
@@ -311,7 +319,8 @@ class Executor:
     def _wait(self, requests: list[Request], what: str | Callable[[], str]) -> None:
         """Waits for requests, polling so that a stall is diagnosed instead of hanging.
 
-        [Note: polling] Each poll tests all requests in one call (MPI ``Testall``). For its first
+        [Note: polling] Each poll tests all requests in one call (MPI ``Testall``; a single
+        request, the common case, through its own ``test``, a call less per poll). For its first
         `Group.spin` seconds a wait polls without pause, as MPI's own blocking wait does; then,
         up to 50 ms, it yields the core between tests, and longer waits back off to 1 ms
         sleeps, so an idle rank does not starve a computing one on an oversubscribed host.
@@ -329,17 +338,19 @@ class Executor:
         and building the text and writing the status record (a few microseconds) in every
         wait that is over within a message's time would cost more than the wait.
         """
-        if testall(requests):  # one MPI call for the common case: already there
+        # one boundary per message is the common case: its request's own test, one call less
+        test = requests[0].test if len(requests) == 1 else lambda: testall(requests)
+        if test():  # one MPI call for the common case: already there
             return
         start = time.monotonic()
         spin_until = start + self.group.spin
         while time.monotonic() < spin_until:
-            if testall(requests):
+            if test():
                 return
         yield_until = start + _YIELD
         while True:
             os.sched_yield()
-            if testall(requests):
+            if test():
                 return
             if time.monotonic() > yield_until:
                 break
@@ -377,8 +388,8 @@ class Executor:
         ([Note: the head] in hooks.py); what it returns is kept in ``result.outputs[i]``."""
         if self.step_state is not None and self.step_state.posted:  # ended early: still posted
             self.pool.reset()
-        step = self.step_state = _Step(list(microbatches), mode, hooks, head,
-                                 StepResult(microbatches=list(microbatches)))
+        step = self.step_state = self._now = _Step(
+            list(microbatches), mode, hooks, head, StepResult(microbatches=list(microbatches)))
         if mode.train:
             drain = self._drain_plan() if not mode.collect else {}
             for s, prog in self.programs.items():
@@ -445,8 +456,11 @@ class Executor:
                 self._run_deferred(s, mb)
             return
         r = self._by_action.get(id(a))
-        pending = self._now.posted.get(r.key) if r is not None else None
-        if pending is None:  # in memory: nothing to wait for
+        if r is None:  # in memory: nothing to wait for
+            return
+        self._post_due()  # ``a``'s own receive may be among them ([Note: receives ahead])
+        pending = self._now.posted.get(r.key)
+        if pending is None:
             return
         while deferred and not testall(pending.requests):
             self._run_deferred(*deferred.pop(0))
@@ -474,6 +488,15 @@ class Executor:
         for queue in self._queues:
             self._post_ahead(queue[0])
 
+    def _post_due(self) -> None:
+        """Posts the receives due at this wait: each stream's next, once its previous is in
+        ([Note: receives ahead])."""
+        due = self._now.due
+        if due:
+            for q in due:
+                self._post_ahead(q)
+            due.clear()
+
     def _post_ahead(self, r: _Receive) -> None:
         """Posts the receives of ``r``'s stream up to `_AHEAD` - 1 past ``r``."""
         queue, ahead = r.queue, self._now.ahead
@@ -485,6 +508,12 @@ class Executor:
         irecv, dynamic, posted = self.group.irecv, self.shapes is not None, self._now.posted
         buffer = self.pool.buffer
         for q in queue[done:end]:
+            if q.single and not dynamic:  # without the lists' loops: a microsecond a message
+                b = q.boundaries[0]
+                buf = buffer(q.streams[0], b, self._shape(b, q.microbatch))
+                posted[q.key] = _Pending(q.boundaries, [buf], [irecv(buf, q.src, q.tags[0])],
+                                         [pool_tensor(buf, True)], False)
+                continue
             buffers = [buffer(k, b, self._shape(b, q.microbatch))
                        for k, b in zip(q.streams, q.boundaries)]
             reqs = [irecv(wire(buf) if q.wired else buf, q.src, tag)
@@ -516,7 +545,9 @@ class Executor:
                 [self._tag(b, consumer, mb, backward) for b in bs],
                 self._rank(peer), consumer, mb, backward,
                 [self.pool.dlpack[b.index] for b in bs],
-                any(wired(self.pool.dtypes[b.index]) for b in bs), queue, len(queue))
+                any(wired(self.pool.dtypes[b.index]) for b in bs), queue, len(queue),
+                len(bs) == 1 and self.pool.dlpack[bs[0].index]
+                and not wired(self.pool.dtypes[bs[0].index]))
             queue.append(r)
             out[r.key] = self._by_action[id(a)] = r
         self._queues = list(queues.values())
@@ -558,7 +589,8 @@ class Executor:
                 [self.pool.dtypes[b.index] for b in bs],
                 any(wired(self.pool.dtypes[b.index]) for b in bs),
                 self.shapes is not None and not backward and any(is_dynamic(b.shape) for b in bs),
-                peer, mb, consumer)
+                peer, mb, consumer, len(bs) == 1 and not any(wired(self.pool.dtypes[b.index])
+                                                             for b in bs))
         return found
 
     def _transmit(self, s: _Send, tensors: list[tf.Tensor]) -> None:
@@ -572,6 +604,10 @@ class Executor:
                 if is_dynamic(b.shape):
                     self._send_header(b, t, s.peer, s.microbatch, s.consumer)
         isend, sends, dest = self.group.isend, self._now.sends, s.dest
+        if s.single:  # one boundary, sent as it is: the common case, without a loop
+            buf = host_view(tensors[0], s.dtypes[0])
+            sends.append((isend(buf, dest, s.tags[0]), buf))
+            return
         for t, tag, dtype in zip(tensors, s.tags, s.dtypes):
             buf = wire(host_view(t, dtype)) if s.wired else host_view(t, dtype)
             sends.append((isend(buf, dest, tag), buf))
@@ -605,10 +641,16 @@ class Executor:
             producer, consumer = (a.stage, peer) if backward else (peer, a.stage)
             return (self._pair(producer, consumer, backward),
                     self._now.mailbox.pop((a.op, a.stage, peer, _mb(a))))
-        self._post_ahead(r)  # [Note: receives ahead]
-        pending = self._now.posted.pop(r.key)
+        step = self._now
+        self._post_due()
+        pending = step.posted.pop(r.key, None)
+        if pending is None:  # posted above in a step that runs its receives in order
+            self._post_ahead(r)
+            pending = step.posted.pop(r.key)
         if pending.header_requests:  # before the data, which a larger message would overrun
             self._check_headers(pending, a)
+        if r.position + 1 < len(r.queue):  # posted at the next wait, not this one's
+            step.due.append(r.queue[r.position + 1])
         self._wait(pending.requests, lambda: f"{'gradients' if r.backward else 'activations'} "
                    f"of microbatch {r.microbatch} from stage {_peer(a)}")
         if not pending.copied:
