@@ -433,17 +433,19 @@ class Executor:
     def _drain_plan(self) -> dict[int, frozenset[int]]:
         """Per stage of this rank that has no W actions but sends gradients to another rank:
         its last ``drain`` backwards' microbatches ([Note: drain split])."""
-        if self._drain is None and not self.drain:
+        if self._drain is not None:
+            return self._drain
+        if not self.drain:  # none (``mbs[-0:]`` below would be every backward)
             self._drain = {}
-        if self._drain is None:
-            split = {a.stage for a in self.actions if a.op is Op.WEIGHT}
-            remote = {a.stage for a in self.actions
-                      if a.op is Op.SEND_B and not self._local(_peer(a))}
-            order: dict[int, list[int]] = {}
-            for a in self.actions:
-                if a.op is Op.BACKWARD and a.stage in remote and a.stage not in split:
-                    order.setdefault(a.stage, []).append(_mb(a))
-            self._drain = {s: frozenset(mbs[-self.drain:]) for s, mbs in order.items()}
+            return self._drain
+        split = {a.stage for a in self.actions if a.op is Op.WEIGHT}
+        remote = {a.stage for a in self.actions
+                  if a.op is Op.SEND_B and not self._local(_peer(a))}
+        order: dict[int, list[int]] = {}
+        for a in self.actions:
+            if a.op is Op.BACKWARD and a.stage in remote and a.stage not in split:
+                order.setdefault(a.stage, []).append(_mb(a))
+        self._drain = {s: frozenset(mbs[-self.drain:]) for s, mbs in order.items()}
         return self._drain
 
     def _fill(self, a: Action) -> None:

@@ -607,7 +607,15 @@ class StageProgram:
         split])."""
         if self.collect:
             return False
-        return self.split or self.late or (i in self.drain and self.update is None)
+        return self.split or self.late or self._drains(i)
+
+    def _drains(self, i: int) -> bool:
+        """Whether microbatch ``i`` is one of this step's drain microbatches ([Note: drain
+        split]): on a stage that is neither split (its W's are the schedule's) nor late (the
+        step's end computes them inside the update, [Note: weights at the step's end], where
+        the linear layers' accumulators are placeholders), nor updating directly."""
+        return (i in self.drain and self.update is None and not self.split
+                and not self.late)
 
     def _take_first(self, split: bool) -> bool:
         """The [Note: fresh accumulators] flag of a backward: a split one writes B's half, an
@@ -616,12 +624,8 @@ class StageProgram:
         return self.grads.take_fresh() if split else self.grads.take_fresh_all()
 
     def has_weight_work(self, i: int) -> bool:
-        """Whether microbatch ``i``'s W is a drain W left to run ([Note: drain split]): its
-        backward deferred weight gradients on a stage that is neither split (its W's are the
-        schedule's) nor late (the step's end computes them inside the update: [Note: weights
-        at the step's end], where the accumulators of linear layers are placeholders)."""
-        return (i in self.drain and i in self._weight_work and not self.split
-                and not self.late)
+        """Whether microbatch ``i``'s W is a drain W left to run ([Note: drain split])."""
+        return self._drains(i) and i in self._weight_work
 
     def _slots(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor
                ) -> list[tf.Tensor]:
