@@ -143,6 +143,7 @@ def _config(args: dict[str, Any], config: dict[str, Any], baseline: Any, x: Any,
         tfhelp.sleepy_barrier()
         fit_steps.append(tfhelp.batch_step_time(model, x, y))
         tfhelp.sleepy_barrier()
+    fit_steps = tfhelp.slowest_rank(fit_steps)  # [Note: the slowest rank's step] in tfhelp.py
     model._engine._tracer.flush()
     tfhelp.sleepy_barrier()
     if rank != 0:

@@ -85,6 +85,7 @@ def _measure(args: dict[str, Any], pipeline: str, m: int, baseline: Any, x: Any,
         tfhelp.sleepy_barrier()
         if rank == 0:
             base.append(tfhelp.batch_step_time(baseline, x, y))
+    pipe = tfhelp.slowest_rank(pipe)  # [Note: the slowest rank's step] in tfhelp.py
     if rank != 0:
         return {}
     ratios = [b / p for b, p in zip(base, pipe)]

@@ -14,6 +14,8 @@ ratios: torch's step time over tfsmp's (> 1: tfsmp is faster), against torch's 1
 against the fastest torch schedule of that round; and each side's speed-up over its own
 single-process step, as a fraction of the ideal p·m/(m+p−1).
 
+A step's time is the slowest rank's ([Note: the slowest rank's step] in tfhelp.py).
+
 Needs torch (``pip install -e .[bench-torch]``: the CPU wheel); without it the benchmark
 records one line saying so and measures nothing.
 """
@@ -110,7 +112,7 @@ def _measure(args: dict[str, Any], label: str, arms: dict[str, Any], keras_plain
 
     def fastest(step: Any) -> float:  # [Note: measuring on a shared machine]
         tfhelp.sleepy_barrier()
-        return min(step() for _ in range(steps))
+        return min(tfhelp.slowest_rank([step() for _ in range(steps)]))
 
     mine: list[float] = []
     before: list[float] = []

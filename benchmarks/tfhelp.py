@@ -14,7 +14,7 @@ import itertools
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,25 @@ def sleepy_barrier(poll: float = 0.002) -> None:
     req = world().Ibarrier()
     while not req.Test():
         time.sleep(poll)
+
+
+def slowest_rank(times: Sequence[float]) -> list[float]:
+    """Per step, the slowest rank's time of ``times`` (this rank's, one per step).
+
+    [Note: the slowest rank's step] A pipeline step is over when its last rank is: each rank
+    times its own steps, and after them (outside the timed region) the ranks take the maximum
+    per step, so every rank returns the same list. Until 2026-12-05 the multi-rank benchmarks
+    counted rank 0's clock alone, which misses work a later rank does after rank 0 is done:
+    tfsmp's last stage runs its drain W's and its update after sending rank 0 its last
+    gradients (1-5 ms after rank 0 ends, in a traced GPipe step), and a scratch variant that
+    moved the last stage's weight gradients into its update measured 10 % faster on rank 0's
+    clock while its last rank ended 180 ms after rank 0. Every rank must call it."""
+    from mpi4py import MPI
+
+    mine = np.asarray(list(times), dtype=np.float64)
+    out = np.empty_like(mine)
+    world().Allreduce(mine, out, op=MPI.MAX)
+    return [float(t) for t in out]
 
 
 def dense_stack(width: int = 1024, depth: int = 8, seed: int = 0, name: str = "dense_stack"
