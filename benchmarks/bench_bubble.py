@@ -184,10 +184,10 @@ def _pictures(args: dict[str, Any], steps: list[Any], cmp: dict[str, Any], event
         steps[-1:], out / f"timeline_measured{suffix}.png",
         title=f"measured: 2 ranks, {name}, m = 8, one step; idle "
               f"{cmp['measured'][0]:.3f} / {cmp['measured'][1]:.3f} (rank 0 / 1)")
-    weight = cmp.get("weight") or [0.0] * len(cmp["forward"])
-    sim = simulate(fuse_last_stage(generate(pipeline, 2, 8)), forward_time=cmp["forward"],
-                   backward_time=[b + w for b, w in zip(cmp["backward"], weight)],
-                   weight_time=weight, links=plan)
+    given = cmp["simulated"]  # the comparison's own inputs, the drain's W's included
+    sim = simulate(fuse_last_stage(generate(pipeline, 2, 8)), forward_time=given["forward"],
+                   backward_time=given["backward"], weight_time=cmp["weight"], links=plan,
+                   drain={int(s): mbs for s, mbs in given["drain"].items()})
     simulated = render_timeline(
         sim, out / f"timeline_simulated{suffix}.png",
         title=f"simulated with the measured stage times: idle "

@@ -21,6 +21,7 @@ from tfsmp.schedule import (
     Op,
     Placement,
     Schedule,
+    TimelineEntry,
     format_schedule,
     fuse_last_stage,
     generate,
@@ -407,3 +408,50 @@ def test_comparison_with_the_simulator_passes_w_and_placement(pipeline: str, v: 
     assert report["predicted_bubble"] == pytest.approx(sim.bubble_fraction)
     assert report["measured_bubble"] == pytest.approx(sim.bubble_fraction)
     assert report["predicted"] == pytest.approx(report["measured"])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_comparison_with_the_simulator_models_the_drain_split(fused: bool) -> None:
+    """A 1F1B trace whose last stage split its last two backwards and ran their W's later
+    ([Note: drain split] in tfsmp/runtime/executor.py) is predicted exactly, whether the W of
+    an unsplit backward sat in the stage's backward spans or (the runtime's fused last stage)
+    in its forward spans; before, every backward of that stage was simulated with a W."""
+    from tfsmp.timeline.render import Span, compare_with_simulator
+
+    p, m = 2, 6
+    drain = {1: {4, 5}}
+    sim = simulate(fuse_last_stage(generate("interleaved", p, m)), forward_time=[1.0, 1.5],
+                   backward_time=[2.0, 2.5], weight_time=[0.0, 1.0], drain=drain)
+    assert {str(e.action) for e in sim.timeline if e.action.op is Op.WEIGHT} == {"1W4", "1W5"}
+
+    def span(e: TimelineEntry) -> Span:
+        start, end = e.start, e.end
+        a = e.action
+        if fused and a.stage == 1 and a.op is Op.FORWARD:  # F + B in one span, B a hand-over
+            end += 2.5 - (1.0 if a.microbatch in drain[1] else 0.0)
+        if fused and a.stage == 1 and a.op is Op.BACKWARD:
+            start = end = e.end
+        return Span(e.rank, str(a), a.op.value, start, end)
+
+    step = {r: [span(e) for e in sim.timeline if e.rank == r and e.action.is_compute]
+            for r in range(p)}
+    report = compare_with_simulator([step], "interleaved", 1)
+    assert report["simulated"]["drain"] == {"1": [4, 5]}
+    assert report["predicted"] == pytest.approx(report["measured"])
+    assert report["predicted_bubble"] == pytest.approx(sim.bubble_fraction)
+
+
+def test_drained_ws_fill_a_wait_and_keep_every_rank_busy_as_long() -> None:
+    """Drained W's run while their rank would wait, before the STEP at the latest: the
+    makespan shrinks, each rank's busy time does not change, and a split stage refuses."""
+    compute = fuse_last_stage(generate("simple", 2, 8))
+    times = {"forward_time": [0.023, 0.042], "backward_time": [0.040, 0.022],
+             "weight_time": [0.0, 0.022]}
+    plain = simulate(compute, **times)
+    drained = simulate(compute, **times, drain={1: {6, 7}})
+    assert drained.busy == pytest.approx(plain.busy)
+    assert drained.makespan < plain.makespan - 0.02
+    rank1 = [str(e.action) for e in drained.timeline if e.rank == 1]
+    assert rank1[rank1.index("1SEND_B7>0") + 1:] == ["1W6", "1W7", "1STEP"]
+    with pytest.raises(ScheduleError, match="drain names stages without W actions"):
+        simulate(generate("zb-h1", 2, 4), backward_time=2.0, weight_time=1.0, drain={1: {3}})

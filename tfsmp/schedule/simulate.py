@@ -17,11 +17,17 @@ divided among the stage's buckets; STEP waits for them and takes ``step_time``. 
 is its idle share of the makespan, ``1 - busy/makespan`` with busy = its F, B and W time; the
 overall bubble is ``1 - Σ busy / (p · makespan)``. Peak activations count a stage-microbatch
 pair from its F until its B, or its W in a stage with W actions.
+
+``drain`` ([Note: drain split] in tfsmp/runtime/executor.py) names, per stage without W actions,
+the microbatches whose backward the runtime splits: their B takes ``backward_time[s] -
+weight_time[s]`` and leaves a W of ``weight_time[s]``, which the rank runs as the executor does:
+before a receive whose message has not arrived at the rank's clock (one W, then it looks
+again), before its stage's REDUCE, before the STEP, or at the end of the rank's actions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -76,7 +82,8 @@ def simulate(schedule: Schedule, *, forward_time: Times = 1.0, backward_time: Ti
              comm_time: Callable[[Action], float] | float = 0.0, reduce_time: Times = 0.0,
              step_time: float = 0.0, num_ranks: int | None = None,
              links: Links | None = None, weight_time: Times = 0.0,
-             placement: Placement | None = None) -> SimResult:
+             placement: Placement | None = None,
+             drain: Mapping[int, Collection[int]] | None = None) -> SimResult:
     """Simulates one step of a schedule under [Note: cost model].
 
     Args:
@@ -92,6 +99,9 @@ def simulate(schedule: Schedule, *, forward_time: Times = 1.0, backward_time: Ti
         weight_time: seconds of one W (weight gradients), one value or one per stage; part of
             ``backward_time``, and used only by stages with W actions.
         placement: which rank runs each stage; default stage ``s`` on rank ``s % p``.
+        drain: per stage without W actions, the microbatches whose backward is split at the
+            step's end and whose W runs while the rank would wait (`RunPlan.drain_microbatches`;
+            [Note: cost model]); their W time is ``weight_time``.
 
     Returns:
         Makespan, busy time and bubble fraction per rank and overall, peak held activation
@@ -108,15 +118,23 @@ def simulate(schedule: Schedule, *, forward_time: Times = 1.0, backward_time: Ti
     validate(lowered, links=links, placement=placement)
     stages = num_stages_of(lowered)
     where = placement_of(lowered, p, placement)
-    backward, weight = _split_backward(
-        _per_stage("backward_time", backward_time, stages),
-        _per_stage("weight_time", weight_time, stages), weight_stages(lowered))
+    split = weight_stages(lowered)
+    drained = {s: frozenset(mbs) for s, mbs in (drain or {}).items() if mbs}
+    if drained.keys() & split:
+        raise ScheduleError(
+            f"drain names stages without W actions (a split stage's W's are the schedule's). "
+            f"Received: drain for stage(s) {sorted(drained.keys() & split)}, which have W "
+            f"actions. Leave them out of drain.")
+    whole = _per_stage("backward_time", backward_time, stages)
+    weights = _per_stage("weight_time", weight_time, stages)
+    backward, weight = _split_backward(whole, weights, split | set(drained))
     costs = _Costs(
         forward=_per_stage("forward_time", forward_time, stages),
         backward=backward, weight=weight,
         reduce=_per_stage("reduce_time", reduce_time, stages),
         comm=comm_time, step=step_time, placement=where,
-        buckets={a.stage: 0 for acts in lowered.values() for a in acts if a.op is Op.REDUCE})
+        buckets={a.stage: 0 for acts in lowered.values() for a in acts if a.op is Op.REDUCE},
+        whole=whole, drain=drained)
     for acts in lowered.values():
         for a in acts:
             if a.op is Op.REDUCE:
@@ -135,6 +153,8 @@ class _Costs:
     step: float
     placement: Placement
     buckets: dict[int, int]
+    whole: list[float]  # the whole backward (B + W) per stage
+    drain: dict[int, frozenset[int]]  # [Note: cost model]: split backwards of unsplit stages
 
     def message(self, a: Action) -> float:
         if a.peer is None or self.placement.rank(a.peer) == self.placement.rank(a.stage):
@@ -167,19 +187,38 @@ def _per_stage(name: str, value: Times, stages: int) -> list[float]:
 
 
 def _run(schedule: Schedule, costs: _Costs) -> list[TimelineEntry]:
-    """Event-driven run of every rank in program order; validated, so it cannot stall."""
+    """Event-driven run of every rank in program order; validated, so it cannot stall (a
+    rank holding drained W's runs them while no rank can go on: [Note: cost model])."""
     pc = dict.fromkeys(schedule, 0)
     clock = dict.fromkeys(schedule, 0.0)
     channel = dict.fromkeys(schedule, 0.0)  # when the rank's reduction channel is free
+    deferred: dict[int, list[Action]] = {r: [] for r in schedule}  # drained W's to run
     arrival: dict[MessageKey, float] = {}
     timeline: list[TimelineEntry] = []
-    while any(pc[r] < len(schedule[r]) for r in schedule):
+
+    def weight(rank: int, w: Action) -> None:
+        deferred[rank].remove(w)
+        start = clock[rank]
+        clock[rank] = start + costs.weight[w.stage]
+        timeline.append(TimelineEntry(rank, w, start, clock[rank]))
+
+    while any(pc[r] < len(schedule[r]) or deferred[r] for r in schedule):
+        moved = False
+        waiting: list[int] = []  # ranks at a receive not yet sent, holding W's
         for rank, actions in schedule.items():
             while pc[rank] < len(actions):
                 a = actions[pc[rank]]
                 key = message_key(a)
-                if a.op in (Op.RECV_F, Op.RECV_B) and key not in arrival:
-                    break
+                if a.op in (Op.RECV_F, Op.RECV_B):
+                    if key not in arrival:
+                        if deferred[rank]:
+                            waiting.append(rank)
+                        break
+                    while deferred[rank] and arrival[key] > clock[rank]:
+                        weight(rank, deferred[rank][0])  # not there yet: one W, then look again
+                elif a.op is Op.REDUCE or a.op is Op.STEP:
+                    for w in [w for w in deferred[rank] if a.op is Op.STEP or w.stage == a.stage]:
+                        weight(rank, w)
                 start, end = _time(a, clock[rank], channel[rank], arrival, costs)
                 if a.op is Op.REDUCE:
                     channel[rank] = end
@@ -188,7 +227,20 @@ def _run(schedule: Schedule, costs: _Costs) -> list[TimelineEntry]:
                 if a.op in (Op.SEND_F, Op.SEND_B):
                     arrival[key] = start + costs.message(a)
                 timeline.append(TimelineEntry(rank, a, start, end))
+                if a.op is Op.BACKWARD and a.microbatch in costs.drain.get(a.stage, ()):
+                    deferred[rank].append(Action(a.stage, Op.WEIGHT, a.microbatch))
                 pc[rank] += 1
+                moved = True
+            if pc[rank] == len(actions) and deferred[rank]:  # the step's end: the rest
+                for w in list(deferred[rank]):
+                    weight(rank, w)
+                moved = True
+        if not moved:  # every rank waits for a message no rank can send yet: W's run
+            if not waiting:
+                raise ScheduleError("the simulated schedule stalled: every rank waits for a "
+                                    "message no rank sends (a validated schedule cannot)")
+            for rank in waiting:
+                weight(rank, deferred[rank][0])
     return timeline
 
 
@@ -198,7 +250,9 @@ def _time(a: Action, clock: float, channel: float,
     if a.op is Op.FORWARD:
         return clock, clock + costs.forward[a.stage]
     if a.op is Op.BACKWARD:
-        return clock, clock + costs.backward[a.stage]
+        drained = costs.drain.get(a.stage)
+        whole = drained is not None and a.microbatch not in drained  # an unsplit backward
+        return clock, clock + (costs.whole[a.stage] if whole else costs.backward[a.stage])
     if a.op is Op.WEIGHT:
         return clock, clock + costs.weight[a.stage]
     if a.op in (Op.RECV_F, Op.RECV_B):

@@ -23,8 +23,9 @@ bubble proper) and the rest (sends, Python dispatch between actions, a late star
 from __future__ import annotations
 
 import json
+import re
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,7 +333,9 @@ def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
 
     Returns:
         ``{"ranks", "microbatches", "forward", "backward", "weight", "measured", "receive_wait",
-        "predicted", "measured_bubble", "predicted_bubble"}``; fractions are of the step window.
+        "predicted", "measured_bubble", "predicted_bubble", "simulated"}`` (``"simulated"``:
+        the simulator's inputs, where a stage split its drain's backwards, [Note: drain split]
+        in tfsmp/runtime/executor.py); fractions are of the step window.
 
     Raises:
         ValueError: ``steps`` is empty.
@@ -346,11 +349,19 @@ def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
     forward, backward = stage_times(steps, "mean")
     weight = _weight_times(steps, len(forward))
     m = sum(1 for s in steps[0][ranks[0]] if s.kind == "F" and s.stage == ranks[0])
-    # The simulator's backward_time is the whole backward: B and W where a stage has Ws.
     run = RunPlan.of(pipeline, len(ranks), m, virtual_stages=virtual_stages)
-    sim = simulate(run.compute, forward_time=forward,
-                   backward_time=[b + w for b, w in zip(backward, weight)],
-                   weight_time=weight, links=links, placement=run.placement)
+    drain = _drained(steps, run.split_stages)
+    # The simulator's backward_time is the whole backward: B and W where a stage has Ws.
+    sim_forward, whole = list(forward), [b + w for b, w in zip(backward, weight)]
+    for s, mbs in drain.items():  # [Note: drain split]: W spans of a stage without W actions
+        share = len(mbs) / m * weight[s]  # a drained microbatch's W per microbatch of the step
+        if _w_in_forward(steps, s, mbs):  # the fused last stage's forward span held the W
+            sim_forward[s] -= weight[s] - share
+            whole[s] = backward[s] + weight[s]
+        else:
+            whole[s] = backward[s] + share
+    sim = simulate(run.compute, forward_time=sim_forward, backward_time=whole,
+                   weight_time=weight, links=links, placement=run.placement, drain=drain)
     stats = [step_stats(step) for step in steps]
     return {
         "ranks": len(ranks), "microbatches": m, "pipeline": pipeline,
@@ -362,7 +373,47 @@ def compare_with_simulator(steps: Sequence[Step], pipeline: str = "interleaved",
         "predicted_bubble": sim.bubble_fraction,
         "window": statistics.median(st.window for st in stats),
         "predicted_makespan": sim.makespan,
+        # what the simulator was given: per stage the forward and whole backward (B + W), and
+        # the drained microbatches ([Note: drain split])
+        "simulated": {"forward": sim_forward, "backward": whole,
+                      "drain": {str(s): sorted(mbs) for s, mbs in drain.items()}},
     }
+
+
+def _drained(steps: Sequence[Step], split: Collection[int]) -> dict[int, frozenset[int]]:
+    """Per stage without W actions (not in ``split``) that ran W's, their microbatches: the
+    backwards the runtime split at the step's end ([Note: drain split] in
+    tfsmp/runtime/executor.py), as the trace shows them (``"1W6"``)."""
+    out: dict[int, set[int]] = {}
+    for step in steps:
+        for spans in step.values():
+            for s in spans:
+                found = _ACTION_NAME.match(s.name) if s.kind == "W" else None
+                if found and found[2] == "W" and int(found[1]) not in split:
+                    out.setdefault(int(found[1]), set()).add(int(found[3]))
+    return {s: frozenset(mbs) for s, mbs in out.items()}
+
+
+def _w_in_forward(steps: Sequence[Step], stage: int, drained: Collection[int]) -> bool:
+    """Whether ``stage``'s undrained W was part of its forward spans (the runtime's fused last
+    stage: forward, loss and backward in one call) rather than its backward spans: where a
+    drained microbatch's span is shorter than an undrained one's."""
+    spans: dict[tuple[str, bool], list[float]] = {}
+    for step in steps:
+        for rank_spans in step.values():
+            for s in rank_spans:
+                found = _ACTION_NAME.match(s.name)
+                if found and int(found[1]) == stage and found[2] in "FB":
+                    spans.setdefault((found[2], int(found[3]) in drained), []).append(s.duration)
+
+    def gap(kind: str) -> float:
+        whole, split = spans.get((kind, False)), spans.get((kind, True))
+        return statistics.fmean(whole) - statistics.fmean(split) if whole and split else 0.0
+
+    return gap("F") > gap("B")
+
+
+_ACTION_NAME = re.compile(r"^(\d+)([FBW])(\d+)$")  # "1W6": stage 1's W of microbatch 6
 
 
 def _weight_times(steps: Sequence[Step], stages: int) -> list[float]:
