@@ -50,17 +50,19 @@ def test_a_hint_names_inputs_and_a_sample_batch_follows_it() -> None:
     assert batch["token_ids"].shape == batch["padding_mask"].shape == (3, 24)
 
 
-def test_operations_and_linear_bytes_are_counted() -> None:
+def test_operations_linear_bytes_and_products_are_counted() -> None:
     x = keras.Input((256,))
     h = keras.layers.Dense(256, activation="relu", name="d0")(x)
-    y = keras.layers.Dense(256, name="d1")(h)
+    y = keras.layers.Dense(128, name="d1")(h)
     traced = trace(keras.Model(x, y))
     costs.measure_activations(traced, np.ones((4, 256), "float32"))
-    for name in ("d0", "d1"):
+    for name, width in (("d0", 256), ("d1", 128)):
         node = traced.graph.nodes[name]
-        assert node.activation_bytes >= 256 * 4  # at least its output
+        assert node.activation_bytes >= width * 4  # at least its output
         assert node.ops > 0
-        assert node.linear_bytes == 2 * 256 * 4  # input and output per sample
+        assert node.linear_bytes == (256 + width) * 4  # input and output per sample
+        # what a replaying forward stashes ([Note: replayed products]): the output alone
+        assert node.product_bytes == width * 4
 
 
 _GPT_BLOCK = """

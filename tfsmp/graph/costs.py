@@ -537,6 +537,7 @@ def measure_activations(traced: TracedModel, sample_input: Any, training: bool =
     saved: dict[str, int] = {}
     for node in traced.graph:
         node.ops = node.linear_bytes = node.recompute_bytes = node.kept_bytes = 0
+        node.product_bytes = 0
     seen: dict[Any, _Measured] = {}
     # [Note: kept bytes]: each tensor's bytes per sample, maker and the most any reader keeps
     made: dict[str, tuple[str, float, float]] = {}  # key -> (layer, bytes, fraction kept)
@@ -550,6 +551,7 @@ def measure_activations(traced: TracedModel, sample_input: Any, training: bool =
         node = traced.graph.nodes[call.layer_name]
         node.ops += m.ops
         node.linear_bytes += m.linear
+        node.product_bytes += m.products
         node.recompute_bytes += m.recompute
         node.kept_bytes += m.own
         saved[call.layer_name] = saved.get(call.layer_name, 0) + m.held
@@ -578,6 +580,7 @@ class _Measured:
     held: int              # outputs and what the tape keeps
     ops: int               # forward graph operations
     linear: int            # Dense and EinsumDense inputs and outputs
+    products: int          # Dense and EinsumDense outputs (a replaying stage's stash)
     recompute: int         # growth of a compiled forward and backward's peak
     own: int               # what the tape keeps besides the call's inputs and outputs
     outputs_kept: float    # the fraction of the outputs' bytes the tape keeps
@@ -620,8 +623,9 @@ def _measure_call(tf: Any, device: str, call: Any, inputs: list[Any], variables:
         ops = len(run.get_concrete_function(*inputs).graph.get_operations())
         recompute = _recompute_growth(tf, device, call, inputs, variables, training, batch)
         own, outputs_kept, inputs_kept = _kept(tf, current, run, inputs) if device else (0, 0, 0)
-        return _Measured(max(held, 0) // batch, ops, linear.total // batch, recompute,
-                         own // batch, outputs_kept, inputs_kept, list(outputs))
+        return _Measured(max(held, 0) // batch, ops, linear.total // batch,
+                         linear.products // batch, recompute, own // batch, outputs_kept,
+                         inputs_kept, list(outputs))
     finally:
         release(fresh)
 
@@ -687,6 +691,7 @@ class _LinearBytes:
 
     def __init__(self) -> None:
         self.total = 0
+        self.products = 0  # the outputs alone: what a replaying forward stashes
         self._saved: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> _LinearBytes:
@@ -697,6 +702,7 @@ class _LinearBytes:
                      **kwargs: Any) -> Any:
                 y = __original(layer, x, *args, **kwargs)
                 self.total += _nbytes(x) + _nbytes(y)
+                self.products += _nbytes(y)
                 return y
 
             self._saved.append((klass, original))

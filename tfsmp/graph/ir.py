@@ -126,6 +126,9 @@ class LayerNode:
             the recomputing backward of ``optimize: memory`` (0: not measured; then
             ``activation_bytes`` stands for it; [Note: recomputed bytes] in
             tfsmp/graph/costs.py).
+        product_bytes: bytes per sample of the outputs of the Dense and EinsumDense layers its
+            calls run (0: not measured): what a speed-mode forward stashes for a replaying
+            backward ([Note: replayed products] in tfsmp/runtime/deferred.py).
         kept_bytes: bytes per sample a compiled backward keeps of its calls: what their
             gradients keep besides their outputs, and each output only where this call's
             gradient or a consumer's keeps it (0: not measured; [Note: kept bytes] in
@@ -148,6 +151,7 @@ class LayerNode:
     linear_bytes: int = 0
     recompute_bytes: int = 0
     kept_bytes: int = 0
+    product_bytes: int = 0
 
     @property
     def keras_layer(self) -> str:

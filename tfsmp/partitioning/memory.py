@@ -61,17 +61,22 @@ it holds at once during a step:
 - A replica with fewer rows than microbatches runs one microbatch per row
   (`step_microbatches`, as `tfsmp.runtime.batching.Batching.step_shape` splits a batch).
 - *activations*: the schedule is walked action by action. After a forward a stage holds the
-  microbatch until its backward: under ``optimize: speed`` everything its layers keep for the
-  backward pass (``activation_bytes``: measured by `tfsmp.graph.costs.measure_activations`,
-  else the layers' outputs), under ``optimize: memory`` only its model inputs (the rest is
-  recomputed). A split stage (zero-bubble: B, then W later) holds, from B to W, each linear
+  microbatch until its backward: under ``optimize: speed`` the products its backward replays
+  (its Dense and EinsumDense outputs, ``product_bytes``, [Note: replayed products] in
+  tfsmp/runtime/deferred.py) and its model inputs, or, on a stage that takes the taped
+  fallback, everything its layers keep for the backward pass (``activation_bytes``: measured
+  by `tfsmp.graph.costs.measure_activations`, else the layers' outputs); under ``optimize:
+  memory`` only its model inputs (the rest is recomputed). A split stage (zero-bubble: B, then W later) holds, from B to W, each linear
   layer's input and output gradient. The working set of an action is one microbatch's full
   activations for a backward (recomputed in one compiled call: ``recompute_bytes``, [Note:
   recomputed bytes] in tfsmp/graph/costs.py; or stashed) and for the fused last stage (also
   one compiled call), plus the
   gradients in flight: a few of the largest variable's size while accumulating or updating
-  directly, all of the stage's weight gradients at once for a speed-mode backward (an eager
-  ``tape.gradient``). The last stage keeps every microbatch's model outputs until the step ends
+  directly. A speed-mode backward that replays its products ([Note: stashing] in
+  tfsmp/runtime/stage.py: a stage with a Dense or EinsumDense call and no convolution or
+  recurrent layer, `replays`) is one compiled call that recomputes what lies between them and
+  accumulates each gradient as it comes, so it is priced as a compiled backward is. The taped
+  fallback (an eager ``tape.gradient``) holds all of the stage's weight gradients at once. The last stage keeps every microbatch's model outputs until the step ends
   (the loss and metrics read them). The optimizer step reads the accumulators and updates one
   variable at a time ([Note: one variable at a time]): two of the largest variable.
 
@@ -204,6 +209,10 @@ class StageMemory:
     # held per sample by its compiled forward and backward (a recomputing or fused call:
     # [Note: recomputed bytes] in tfsmp/graph/costs.py; `_recomputed`)
     recompute_sample: int = 0
+    # its speed-mode backward replays its products in one compiled call ([Note: stashing] in
+    # tfsmp/runtime/stage.py), not the taped fallback
+    replays: bool = False
+    product_sample: int = 0  # its linear layers' outputs: a replaying forward's stash (0: unknown)
     # per layer (and tied copy), its optimizer state and trainable bytes: the units replicas
     # split with sharded optimizer state ([Note: sharded state])
     optimizer_units: tuple[float, ...] = ()
@@ -266,6 +275,8 @@ def stage_memory(plan: StagePlan, graph: LayerGraph, stage: int,
         linear_sample=linear,
         peak_layer_sample=max((n.activation_bytes for n in nodes), default=0),
         recompute_sample=recomputed_bytes(nodes),
+        replays=replays(nodes),
+        product_sample=sum(n.product_bytes for n in nodes),
         copies=bool(copies) or any(stage in t.stages and t.copies > 1 for t in plan.ties),
         outputs_sample=sum(graph.tensors[k].bytes_per_sample for k in graph.outputs
                            if k in written or stage == plan.num_stages - 1),
@@ -281,6 +292,21 @@ def stage_memory(plan: StagePlan, graph: LayerGraph, stage: int,
         trainable_units=tuple(n.trainable_param_bytes for n in nodes if n.trainable_param_bytes)
         + tuple(t.trainable_param_bytes for t in copies),
     )
+
+
+_COSTLY = ("Conv", "RNN", "LSTM", "GRU", "Bidirectional")  # what `replays` refuses
+
+
+def replays(nodes: Sequence[LayerNode]) -> bool:
+    """Whether a stage of these layers runs speed mode's compiled backward ([Note: stashing] in
+    tfsmp/runtime/stage.py, `_replays` there, which reads the live layers): a Dense or
+    EinsumDense call to replay and no convolution or recurrent layer. From the graph, a layer
+    whose measured calls include linear ones counts as one, and any kind naming a
+    convolution or a recurrent layer refuses (``TFSMP_TAPED_BACKWARD=1``: none replays)."""
+    if os.environ.get("TFSMP_TAPED_BACKWARD", "") not in ("", "0"):
+        return False
+    return (any(n.kind in _LINEAR or n.linear_bytes > 0 for n in nodes)
+            and not any(c in n.kind for n in nodes for c in _COSTLY))
 
 
 def _recomputed(node: LayerNode) -> int:
@@ -416,7 +442,11 @@ class _ActivationWalk:
         self.waiting_total = 0.0
 
     def stash(self, m: StageMemory) -> float:
-        """Held from F to B: the tape's saved tensors (speed), or the model inputs (memory)."""
+        """Held from F to B: the replayed products (speed, [Note: stashing]) or the tape's
+        saved tensors (speed's taped fallback, or products not measured), or the model inputs
+        (memory)."""
+        if self.optimize == "speed" and m.replays and m.product_sample:
+            return self.b * (m.product_sample + m.inputs_sample)
         if self.optimize == "speed":
             return self.b * (m.saved_sample + m.inputs_sample)
         return self.b * m.inputs_sample
@@ -437,7 +467,9 @@ class _ActivationWalk:
         if op == "B":
             if m.stage == self.last:
                 return 0.0
-            if self.optimize == "speed":  # stash counted; all weight gradients at once
+            if self.optimize == "speed" and m.replays:  # one compiled call, accumulating
+                return full + grads
+            if self.optimize == "speed":  # taped: stash counted; all weight gradients at once
                 # (a split stage's B builds none for its linear layers: [Note: split stages])
                 deferred = min(m.linear, m.trainable) if m.stage in self.split else 0
                 return self.b * m.peak_layer_sample + m.trainable - deferred
