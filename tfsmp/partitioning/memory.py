@@ -487,8 +487,11 @@ class _ActivationWalk:
             m = self.stages.get(st)
             if m is None or op not in ("F", "B", "W"):
                 continue
-            peak = max(peak, sum(held.values()) + self.kept + self.working(m, op))
             drained = mb in self.drain.get(st, ())
+            # a drained backward (the last stage's: its fused call) makes what its W will
+            # read while its working set is still alive ([Note: drain split])
+            made = self.waiting(m) if drained and (op == "B" or st == self.last) else 0.0
+            peak = max(peak, sum(held.values()) + self.kept + self.working(m, op) + made)
             if op == "F" and st == self.last:
                 self.kept += self.b * m.outputs_sample
                 if st in self.split or drained:  # its B is fused: it waits from here
