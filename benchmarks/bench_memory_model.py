@@ -318,7 +318,8 @@ def _mib(n: float) -> str:
 
 def summarize(result: dict[str, Any]) -> list[str]:
     s = result["settings"]
-    lines = [f"p = {s['partitions']} (x d = 2 replicas where sharded), optimize per row (the grid: memory; speed: [Note: speed rows]), Adam, "
+    lines = [f"p = {s['partitions']} (x d = 2 replicas where sharded), "
+             "optimize per row (the grid: memory; speed rows apart), Adam, "
              f"{s['steps']} steps; MiB; predicted = baseline + weights + optimizer + "
              "accumulators + buffers + activations.", "",
              "| model | pipeline | m | d (sharded) | optimize | rank | predicted | measured | "

@@ -61,24 +61,24 @@ it holds at once during a step:
 - A replica with fewer rows than microbatches runs one microbatch per row
   (`step_microbatches`, as `tfsmp.runtime.batching.Batching.step_shape` splits a batch).
 - *activations*: the schedule is walked action by action. After a forward a stage holds the
-  microbatch until its backward: under ``optimize: speed`` the products its backward replays
-  (its Dense and EinsumDense outputs, ``product_bytes``, [Note: replayed products] in
-  tfsmp/runtime/deferred.py) and its model inputs, or, on a stage that takes the taped
-  fallback, everything its layers keep for the backward pass (``activation_bytes``: measured
-  by `tfsmp.graph.costs.measure_activations`, else the layers' outputs); under ``optimize:
-  memory`` only its model inputs (the rest is recomputed). A split stage (zero-bubble: B, then W later) holds, from B to W, each linear
-  layer's input and output gradient. The working set of an action is one microbatch's full
-  activations for a backward (recomputed in one compiled call: ``recompute_bytes``, [Note:
-  recomputed bytes] in tfsmp/graph/costs.py; or stashed) and for the fused last stage (also
-  one compiled call), plus the
-  gradients in flight: a few of the largest variable's size while accumulating or updating
-  directly. A speed-mode backward that replays its products ([Note: stashing] in
-  tfsmp/runtime/stage.py: a stage with a Dense or EinsumDense call and no convolution or
-  recurrent layer, `replays`) is one compiled call that recomputes what lies between them and
-  accumulates each gradient as it comes, so it is priced as a compiled backward is. The taped
-  fallback (an eager ``tape.gradient``) holds all of the stage's weight gradients at once. The last stage keeps every microbatch's model outputs until the step ends
-  (the loss and metrics read them). The optimizer step reads the accumulators and updates one
-  variable at a time ([Note: one variable at a time]): two of the largest variable.
+  microbatch until its backward: under ``optimize: speed`` the products its backward replays (its
+  Dense and EinsumDense outputs, ``product_bytes``, [Note: replayed products] in
+  tfsmp/runtime/deferred.py) and its model inputs, or, on a stage that takes the taped fallback,
+  everything its layers keep for the backward pass (``activation_bytes``: measured by
+  `tfsmp.graph.costs.measure_activations`, else the layers' outputs); under ``optimize: memory``
+  only its model inputs (the rest is recomputed). A split stage (zero-bubble: B, then W later)
+  holds, from B to W, each linear layer's input and output gradient. The working set of an action
+  is one microbatch's full activations for a backward (recomputed in one compiled call:
+  ``recompute_bytes``, [Note: recomputed bytes] in tfsmp/graph/costs.py; or stashed) and for the
+  fused last stage (also one compiled call), plus the gradients in flight: a few of the largest
+  variable's size while accumulating or updating directly. A speed-mode backward that replays its
+  products ([Note: stashing] in tfsmp/runtime/stage.py: a stage with a Dense or EinsumDense call
+  and no convolution or recurrent layer, `replays`) is one compiled call that recomputes what lies
+  between them and accumulates each gradient as it comes, so it is priced as a compiled backward
+  is. The taped fallback (an eager ``tape.gradient``) holds all of the stage's weight gradients at
+  once. The last stage keeps every microbatch's model outputs until the step ends (the loss and
+  metrics read them). The optimizer step reads the accumulators and updates one variable at a time
+  ([Note: one variable at a time]): two of the largest variable.
 
 Nothing is added for the first step: what the runtime learns then about a lookup's sparse
 gradient (concatenated or summed over microbatches, [Note: sparse structure] in
