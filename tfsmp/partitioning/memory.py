@@ -467,13 +467,12 @@ class _ActivationWalk:
         if op == "B":
             if m.stage == self.last:
                 return 0.0
-            if self.optimize == "speed" and m.replays:  # one compiled call, accumulating
-                return full + grads
-            if self.optimize == "speed":  # taped: stash counted; all weight gradients at once
-                # (a split stage's B builds none for its linear layers: [Note: split stages])
+            if self.optimize == "speed" and not m.replays:  # taped: stash counted; all
+                # weight gradients at once (a split stage's B builds none for its linear
+                # layers: [Note: split stages])
                 deferred = min(m.linear, m.trainable) if m.stage in self.split else 0
                 return self.b * m.peak_layer_sample + m.trainable - deferred
-            return full + grads
+            return full + grads  # one compiled call, accumulating (recomputing or replaying)
         return grads  # W
 
     def run(self, actions: Sequence[object]) -> tuple[int, float]:

@@ -23,9 +23,8 @@ bubble proper) and the rest (sends, Python dispatch between actions, a late star
 from __future__ import annotations
 
 import json
-import re
 import statistics
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -385,12 +384,9 @@ def _drained(steps: Sequence[Step], split: Collection[int]) -> dict[int, frozens
     backwards the runtime split at the step's end ([Note: drain split] in
     tfsmp/runtime/executor.py), as the trace shows them (``"1W6"``)."""
     out: dict[int, set[int]] = {}
-    for step in steps:
-        for spans in step.values():
-            for s in spans:
-                found = _ACTION_NAME.match(s.name) if s.kind == "W" else None
-                if found and found[2] == "W" and int(found[1]) not in split:
-                    out.setdefault(int(found[1]), set()).add(int(found[3]))
+    for a, _ in _compute_actions(steps, ("W",)):
+        if a.stage not in split and a.microbatch is not None:
+            out.setdefault(a.stage, set()).add(a.microbatch)
     return {s: frozenset(mbs) for s, mbs in out.items()}
 
 
@@ -399,12 +395,9 @@ def _w_in_forward(steps: Sequence[Step], stage: int, drained: Collection[int]) -
     stage: forward, loss and backward in one call) rather than its backward spans: where a
     drained microbatch's span is shorter than an undrained one's."""
     spans: dict[tuple[str, bool], list[float]] = {}
-    for step in steps:
-        for rank_spans in step.values():
-            for s in rank_spans:
-                found = _ACTION_NAME.match(s.name)
-                if found and int(found[1]) == stage and found[2] in "FB":
-                    spans.setdefault((found[2], int(found[3]) in drained), []).append(s.duration)
+    for a, s in _compute_actions(steps, ("F", "B")):
+        if a.stage == stage:
+            spans.setdefault((s.kind, a.microbatch in drained), []).append(s.duration)
 
     def gap(kind: str) -> float:
         whole, split = spans.get((kind, False)), spans.get((kind, True))
@@ -413,7 +406,17 @@ def _w_in_forward(steps: Sequence[Step], stage: int, drained: Collection[int]) -
     return gap("F") > gap("B")
 
 
-_ACTION_NAME = re.compile(r"^(\d+)([FBW])(\d+)$")  # "1W6": stage 1's W of microbatch 6
+def _compute_actions(steps: Sequence[Step], kinds: tuple[str, ...]
+                     ) -> Iterator[tuple[Any, Span]]:
+    """Each span of ``kinds`` (compute kinds: ``"F"``, ``"B"``, ``"W"``) with its action,
+    `Action.parse` of its name (``"1W6"``)."""
+    from tfsmp.schedule.actions import Action
+
+    for step in steps:
+        for rank_spans in step.values():
+            for s in rank_spans:
+                if s.kind in kinds:
+                    yield Action.parse(s.name), s
 
 
 def _weight_times(steps: Sequence[Step], stages: int) -> list[float]:
