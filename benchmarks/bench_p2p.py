@@ -156,14 +156,20 @@ def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = N
     if payload is None:
         payload = tf.ones((1, floats), dtype=tf.float32)
 
+    # what the stages' compute would have made, and the step's microbatches: made once, outside
+    # the timed step (the transfers only read them)
+    produced = {(0, i): {0: payload} for i in range(k)}
+    grad_out = {(1, i): {0: payload} for i in range(k)}
+    microbatches = [MicroBatch({}, size=1) for _ in range(k)]
+    mode = StepMode(train=True)
+
     class TransferOnly(Executor):  # type: ignore[misc,valid-type]
         """The runtime executor with every compute result replaced by ``payload``."""
 
         def _post_receives(self) -> None:
             super()._post_receives()
-            for i in range(k):
-                self.step_state.produced[(0, i)] = {0: payload}
-                self.step_state.grad_out[(1, i)] = {0: payload}
+            self.step_state.produced = produced
+            self.step_state.grad_out = grad_out
 
         def _recv_forward(self, a: Action) -> None:
             super()._recv_forward(a)
@@ -177,7 +183,7 @@ def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = N
 
         def step(self) -> float:
             start = time.perf_counter()
-            self.run([MicroBatch({}, size=1) for _ in range(k)], mode=StepMode(train=True))
+            self.run(microbatches, mode=mode)
             return time.perf_counter() - start
 
     return TransferOnly(actions, {}, plan, group, 2, k, placement=Placement(2, 2))

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfsmp.comm.local import create_local_comms
 from tfsmp.partitioning.plan import Boundary, StagePlan
-from tfsmp.runtime.buffers import host_view, pool_tensor
+from tfsmp.runtime.buffers import host_view, pool_tensor, send_view
 from tfsmp.runtime.executor import _AHEAD, Executor, MicroBatch, aligned_empty, as_tensor
 from tfsmp.runtime.hooks import StepMode
 from tfsmp.schedule.actions import Action, Op
@@ -169,6 +169,26 @@ def test_a_send_goes_out_of_the_tensor_s_own_memory() -> None:
     assert sent.ctypes.data == buf.ctypes.data and not sent.flags.owndata  # the send side
     computed = tf.ones((3, 5)) * 2  # memory TensorFlow allocated
     assert host_view(computed).ctypes.data == _address(computed)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64", "uint8", "bool"])
+def test_a_send_hands_mpi_the_tensor_s_own_view_where_its_format_is_the_boundary_s(dtype: str) -> None:
+    t = tf.constant(np.arange(12).reshape(3, 4), dtype=dtype)
+    want = np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
+    view = send_view(t, want)
+    assert isinstance(view, memoryview) and view.format == want.char and view.c_contiguous
+    assert np.asarray(view).ctypes.data == _address(t)  # no copy, no array over it
+    np.testing.assert_array_equal(np.asarray(view), t.numpy())
+
+
+def test_a_send_falls_back_to_an_array_where_the_view_does_not_describe_the_boundary() -> None:
+    b = tf.constant(np.arange(6).reshape(2, 3), dtype=tf.bfloat16)  # no buffer-protocol format
+    sent = send_view(b, np.dtype(ml_dtypes.bfloat16))
+    assert isinstance(sent, np.ndarray) and sent.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(sent, b.numpy())
+    f = tf.ones((2, 3))
+    other = send_view(f, np.dtype(np.int32))  # the view says float32: not what the plan expects
+    assert isinstance(other, np.ndarray)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int64",

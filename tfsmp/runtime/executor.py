@@ -92,6 +92,7 @@ from tfsmp.runtime.buffers import (
     held,
     host_view,
     pool_tensor,
+    send_view,
     wire,
     wired,
 )
@@ -164,6 +165,7 @@ class _Receive:
     queue: list[_Receive] = field(default_factory=list, compare=False, repr=False)  # its stream's
     position: int = 0  # its index in ``queue``
     single: bool = False  # one boundary, aliased, not wired: `_post_ahead`'s common case
+    text: str = ""  # what a stalled wait for it says
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,7 @@ class _Send:
     peer: int
     microbatch: int
     consumer: int
-    single: bool = False  # one boundary, not wired: `_transmit`'s common case
+    single: bool = False  # one boundary to another rank, not wired, no header: the common case
 
 
 @dataclass
@@ -213,7 +215,7 @@ class _Step:
     produced: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
     grad_in: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
     grad_out: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
-    sends: list[tuple[Request, np.ndarray]] = field(default_factory=list)
+    sends: list[tuple[Request, np.ndarray | memoryview]] = field(default_factory=list)
     deferred: list[tuple[int, int]] = field(default_factory=list)  # [Note: drain split]
 
 
@@ -279,6 +281,7 @@ class Executor:
         self._queues: list[list[_Receive]] = []  # receives per stream, in schedule order
         self._by_action: dict[int, _Receive] = {}  # id(receive action) -> its plan
         self._sends: dict[int, _Send] = {}  # id(send action) -> its plan
+        self._isend, self._irecv = group.p2p()  # checked once here: [Note: message plan]
         self._dispatch: dict[Op, Callable[[Action], None]] = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.WEIGHT: self._weight,
             Op.SEND_F: self._send_forward, Op.RECV_F: self._recv_forward,
@@ -507,7 +510,7 @@ class Executor:
         if done >= end:
             return
         ahead[id(queue)] = end
-        irecv, dynamic, posted = self.group.irecv, self.shapes is not None, self._now.posted
+        irecv, dynamic, posted = self._irecv, self.shapes is not None, self._now.posted
         buffer = self.pool.buffer
         for q in queue[done:end]:
             if q.single and not dynamic:  # without the lists' loops: a microsecond a message
@@ -549,7 +552,8 @@ class Executor:
                 [self.pool.dlpack[b.index] for b in bs],
                 any(wired(self.pool.dtypes[b.index]) for b in bs), queue, len(queue),
                 len(bs) == 1 and self.pool.dlpack[bs[0].index]
-                and not wired(self.pool.dtypes[bs[0].index]))
+                and not wired(self.pool.dtypes[bs[0].index]),
+                f"{'gradients' if backward else 'activations'} of microbatch {mb} from stage {peer}")
             queue.append(r)
             out[r.key] = self._by_action[id(a)] = r
         self._queues = list(queues.values())
@@ -584,20 +588,26 @@ class Executor:
             producer, consumer = (peer, a.stage) if backward else (a.stage, peer)
             bs = self._pair(producer, consumer, backward)
             receive = Op.RECV_B if backward else Op.RECV_F  # the peer's action that takes them
+            mailbox = (receive, peer, a.stage, mb) if self._local(peer) else None
+            is_wired = any(wired(self.pool.dtypes[b.index]) for b in bs)
+            headers = (self.shapes is not None and not backward
+                       and any(is_dynamic(b.shape) for b in bs))
             found = self._sends[id(a)] = _Send(
-                bs, [b.index for b in bs],
-                (receive, peer, a.stage, mb) if self._local(peer) else None, self._rank(peer),
+                bs, [b.index for b in bs], mailbox, self._rank(peer),
                 [self._tag(b, consumer, mb, backward) for b in bs],
-                [self.pool.dtypes[b.index] for b in bs],
-                any(wired(self.pool.dtypes[b.index]) for b in bs),
-                self.shapes is not None and not backward and any(is_dynamic(b.shape) for b in bs),
-                peer, mb, consumer, len(bs) == 1 and not any(wired(self.pool.dtypes[b.index])
-                                                             for b in bs))
+                [self.pool.dtypes[b.index] for b in bs], is_wired, headers, peer, mb, consumer,
+                len(bs) == 1 and not is_wired and mailbox is None and not headers)
         return found
 
-    def _transmit(self, s: _Send, tensors: list[tf.Tensor]) -> None:
-        """Sends ``tensors`` (activations or gradients) as ``s`` says: in memory when the peer
-        stage is on this rank, else each straight from the tensor's memory (`host_view`)."""
+    def _transmit(self, s: _Send, out: dict[int, tf.Tensor]) -> None:
+        """Sends the tensors of ``out`` (activations or gradients, by boundary) as ``s`` says: in
+        memory when the peer stage is on this rank, else each straight from the tensor's memory
+        (`send_view`, `host_view`)."""
+        if s.single:  # one boundary, sent as it is: the common case, without the lists
+            buf = send_view(out[s.indices[0]], s.dtypes[0])
+            self._now.sends.append((self._isend(buf, s.dest, s.tags[0]), buf))
+            return
+        tensors = [out[i] for i in s.indices]
         if s.mailbox is not None:
             self._now.mailbox[s.mailbox] = tensors
             return
@@ -605,11 +615,7 @@ class Executor:
             for b, t in zip(s.boundaries, tensors):
                 if is_dynamic(b.shape):
                     self._send_header(b, t, s.peer, s.microbatch, s.consumer)
-        isend, sends, dest = self.group.isend, self._now.sends, s.dest
-        if s.single:  # one boundary, sent as it is: the common case, without a loop
-            buf = host_view(tensors[0], s.dtypes[0])
-            sends.append((isend(buf, dest, s.tags[0]), buf))
-            return
+        isend, sends, dest = self._isend, self._now.sends, s.dest
         for t, tag, dtype in zip(tensors, s.tags, s.dtypes):
             buf = wire(host_view(t, dtype)) if s.wired else host_view(t, dtype)
             sends.append((isend(buf, dest, tag), buf))
@@ -644,7 +650,8 @@ class Executor:
             return (self._pair(producer, consumer, backward),
                     self._now.mailbox.pop((a.op, a.stage, peer, _mb(a))))
         step = self._now
-        self._post_due()
+        if step.due:
+            self._post_due()
         pending = step.posted.pop(r.key, None)
         if pending is None:  # posted above in a step that runs its receives in order
             self._post_ahead(r)
@@ -653,8 +660,7 @@ class Executor:
             self._check_headers(pending, a)
         if r.position + 1 < len(r.queue):  # posted at the next wait, not this one's
             step.due.append(r.queue[r.position + 1])
-        self._wait(pending.requests, lambda: f"{'gradients' if r.backward else 'activations'} "
-                   f"of microbatch {r.microbatch} from stage {_peer(a)}")
+        self._wait(pending.requests, r.text)
         if not pending.copied:
             return pending.boundaries, pending.tensors
         tensor = self.pool.tensor  # pool buffers are aligned: `aligned_empty`
@@ -700,9 +706,8 @@ class Executor:
         step.produced[(a.stage, i)] = {b.index: t for b, t in zip(prog.send, sends)}
 
     def _send_forward(self, a: Action) -> None:
-        s = self._send_plan(a)
-        out = self._now.produced[(a.stage, s.microbatch)]
-        self._transmit(s, [out[i] for i in s.indices])
+        s = self._sends.get(id(a)) or self._send_plan(a)
+        self._transmit(s, self._now.produced[(a.stage, s.microbatch)])
 
     def _recv_backward(self, a: Action) -> None:
         bs, ts = self._collect(a)
@@ -730,9 +735,8 @@ class Executor:
             self.programs[a.stage].weight(_mb(a))
 
     def _send_backward(self, a: Action) -> None:
-        s = self._send_plan(a)
-        out = self._now.grad_out[(a.stage, s.microbatch)]
-        self._transmit(s, [out[i] for i in s.indices])
+        s = self._sends.get(id(a)) or self._send_plan(a)
+        self._transmit(s, self._now.grad_out[(a.stage, s.microbatch)])
 
     def _reduce(self, a: Action) -> None:
         step = self._now
