@@ -356,7 +356,7 @@ def test_the_drain_split_is_priced_and_dropped_where_only_its_absence_fits() -> 
     names = [n.name for n in g if not n.is_input]  # type: ignore[attr-defined]
     plan = StagePlan.from_assignment(g, {n: int(i >= 2) for i, n in enumerate(names)}, 2)
     base = MemorySettings(partitions=2, microbatches=8, batch_size=64, optimize="speed",
-                          optimizer="adam", direct=False)
+                          optimizer="adam", direct=False, drain=0)
     drained = MemorySettings(**{**base.__dict__, "drain": DRAIN})
     plain, split = predict_memory(plan, g, base), predict_memory(plan, g, drained)
     assert split[0].total == plain[0].total  # stage 0 sends no gradients: nothing to drain
@@ -371,3 +371,27 @@ def test_the_drain_split_is_priced_and_dropped_where_only_its_absence_fits() -> 
     roomy = check_memory(g, drained, split[1].total * 2, lambda s: plan)
     assert roomy.fits and roomy.settings.drain == DRAIN and roomy.plan.drain_split
     assert StagePlan.from_json(decision.plan.to_json()).drain_split is False
+
+
+def test_settings_without_a_drain_price_the_runtime_s_and_a_plan_without_the_split_none() -> None:
+    """`MemorySettings` built without ``drain`` price what the runtime runs for ``optimize``
+    (speed mode drains, memory mode does not), and a plan whose ``drain_split`` is off, as the
+    runtime reads it, prices no drain whatever the settings say."""
+    from dataclasses import replace
+
+    from tfsmp.schedule.run_plan import DRAIN
+
+    g = _chain()
+    names = [n.name for n in g if not n.is_input]  # type: ignore[attr-defined]
+    plan = StagePlan.from_assignment(g, {n: int(i >= 2) for i, n in enumerate(names)}, 2)
+    speed = MemorySettings(partitions=2, microbatches=8, batch_size=64, optimize="speed",
+                           optimizer="adam", direct=False)
+    assert speed.drains() == DRAIN and replace(speed, optimize="memory").drains() == 0
+    assert replace(speed, drain=0).drains() == 0
+    default = predict_memory(plan, g, speed)
+    assert [r.total for r in default] == [
+        r.total for r in predict_memory(plan, g, replace(speed, drain=DRAIN))]
+    plain = predict_memory(plan, g, replace(speed, drain=0))
+    assert default[1].activations > plain[1].activations
+    unsplit = predict_memory(replace(plan, drain_split=False), g, speed)
+    assert [r.total for r in unsplit] == [r.total for r in plain]

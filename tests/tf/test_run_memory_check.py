@@ -50,16 +50,18 @@ def _stack() -> Any:
 
 @pytest.fixture(scope="module")
 def peaks() -> dict[str, int]:
-    """The largest rank's predicted peak at p=2, m=2 in speed and in memory mode."""
+    """The largest rank's predicted peak at p=2, m=2 in speed mode (as the runtime runs it,
+    with its drain split; and without it: ``speed_plain``) and in memory mode."""
     traced = trace(_stack(), batch_size=BATCH)
     costs.measure_activations(traced, costs.sample_batch(traced, rows=2))
     out = {}
-    for mode in ("speed", "memory"):
+    for key, mode, drain in (("speed", "speed", None), ("speed_plain", "speed", 0),
+                             ("memory", "memory", None)):
         s = MemorySettings(partitions=2, microbatches=2, batch_size=BATCH, optimize=mode,
-                           optimizer="adam")
+                           optimizer="adam", drain=drain)
         plan = plan_graph(traced.graph, 2, optimize=mode, optimizer="adam", batch_size=BATCH,
                           step_samples=BATCH, memory=s)
-        out[mode] = max(r.total for r in predict_memory(plan, traced.graph, s))
+        out[key] = max(r.total for r in predict_memory(plan, traced.graph, s))
     return out
 
 
@@ -96,8 +98,9 @@ def test_run_refuses_before_launch_a_plan_that_does_not_fit(
 def test_run_picks_recomputation_where_that_fits(
         tmp_path: Path, peaks: dict[str, int], capsys: pytest.CaptureFixture[str],
         cgroups: None) -> None:
-    assert peaks["memory"] + 8 * MiB < peaks["speed"], peaks  # the case this test needs
-    cap = (peaks["memory"] + peaks["speed"]) // 2
+    # the case this test needs: below speed mode even without its drain split
+    assert peaks["memory"] + 8 * MiB < peaks["speed_plain"] <= peaks["speed"], peaks
+    cap = (peaks["memory"] + peaks["speed_plain"]) // 2
     assert _launch(tmp_path, cap, "speed") == 0
     out = capsys.readouterr()
     assert "with optimize='memory' (recomputation" in out.err
@@ -105,6 +108,20 @@ def test_run_picks_recomputation_where_that_fits(
     assert config["optimize"] == "memory" and config["microbatches"] == 2
     plan = StagePlan.from_json(Path(config["partition_file"]).read_text())
     assert plan.num_stages == 2
+    Path(config["partition_file"]).unlink()
+
+
+def test_run_drops_the_drain_split_where_only_that_fits(
+        tmp_path: Path, peaks: dict[str, int], capsys: pytest.CaptureFixture[str],
+        cgroups: None) -> None:
+    assert peaks["speed_plain"] + 8 * MiB < peaks["speed"], peaks  # the case this test needs
+    assert _launch(tmp_path, (peaks["speed_plain"] + peaks["speed"]) // 2, "speed") == 0
+    out = capsys.readouterr()
+    assert "no drain split" in out.err and "recomputation" not in out.err
+    config = json.loads(out.out.split("SM_HP_MP_PARAMETERS=")[1].split("'")[0])
+    assert config["optimize"] == "speed"
+    plan = StagePlan.from_json(Path(config["partition_file"]).read_text())
+    assert not plan.drain_split
     Path(config["partition_file"]).unlink()
 
 

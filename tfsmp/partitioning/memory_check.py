@@ -108,7 +108,7 @@ def check_memory(graph: LayerGraph, settings: MemorySettings, cap: float,
     ranks = predict_memory(plan, graph, settings)
     if fits(ranks, cap):
         return MemoryDecision(True, plan, settings, tuple(ranks), cap)
-    if settings.drain:  # the runtime's own choice, no change to the configuration
+    if settings.drains():  # the runtime's own choice, no change to the configuration
         undrained = replace(settings, drain=0)  # [Note: drain split] in runtime/executor.py
         plain_plan = replace(plan_for(undrained), drain_split=False)
         plain_ranks = predict_memory(plain_plan, graph, undrained)
