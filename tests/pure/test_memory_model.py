@@ -189,6 +189,12 @@ def test_a_replaying_stage_stashes_its_products_and_the_taped_fallback_what_the_
             node.kind = "Conv2D"
     assert first_rank() > replayed  # the taped fallback's stash again
     assert predict_memory(plan, g, s)[1].activations == second  # the next stage still replays
+    taped = first_rank()
+    for node in g:  # [Note: kept bytes]: what the tape keeps, each tensor once
+        if not node.is_input:
+            node.kept_bytes = 2 * MiB
+    # 8 samples x 2 layers x (4 - 2) MiB, for each of the 4 microbatches 1F1B holds there
+    assert taped - first_rank() == 4 * 8 * 2 * 2 * MiB
 
 
 def test_receive_buffers_hold_the_whole_batch_both_ways() -> None:

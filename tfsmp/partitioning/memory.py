@@ -226,6 +226,9 @@ class StageMemory:
     # tfsmp/runtime/stage.py), not the taped fallback
     replays: bool = False
     product_sample: int = 0  # its linear layers' outputs: a replaying forward's stash (0: unknown)
+    # what a tape keeps of its layers' calls, each tensor once ([Note: kept bytes] in
+    # tfsmp/graph/costs.py): the taped fallback's stash (0: not measured)
+    kept_sample: int = 0
     # per layer (and tied copy), its optimizer state and trainable bytes: the units replicas
     # split with sharded optimizer state ([Note: sharded state])
     optimizer_units: tuple[float, ...] = ()
@@ -290,6 +293,7 @@ def stage_memory(plan: StagePlan, graph: LayerGraph, stage: int,
         recompute_sample=recomputed_bytes(nodes),
         replays=replays(nodes),
         product_sample=sum(n.product_bytes for n in nodes),
+        kept_sample=sum(n.kept_bytes for n in nodes),
         copies=bool(copies) or any(stage in t.stages and t.copies > 1 for t in plan.ties),
         outputs_sample=sum(graph.tensors[k].bytes_per_sample for k in graph.outputs
                            if k in written or stage == plan.num_stages - 1),
@@ -463,8 +467,8 @@ class _ActivationWalk:
         (memory)."""
         if self.optimize == "speed" and m.replays and m.product_sample:
             return self.b * (m.product_sample + m.inputs_sample)
-        if self.optimize == "speed":
-            return self.b * (m.saved_sample + m.inputs_sample)
+        if self.optimize == "speed":  # taped: what the tape keeps, each tensor once
+            return self.b * ((m.kept_sample or m.saved_sample) + m.inputs_sample)
         return self.b * m.inputs_sample
 
     def waiting(self, m: StageMemory) -> float:
