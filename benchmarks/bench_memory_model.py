@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import replace
 from typing import Any
 
 from benchmarks.common import launch
@@ -218,7 +219,7 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     from tfsmp.config import load_config
     from tfsmp.graph import costs
     from tfsmp.graph.tracer import trace
-    from tfsmp.partitioning.memory import MemorySettings, predict_memory, step_microbatches
+    from tfsmp.partitioning.memory import predict_memory, settings_of
     from tfsmp.runtime.setup import make_plan
 
     d = int(args.get("replicas", 1))
@@ -233,12 +234,10 @@ def predict(args: dict[str, Any]) -> dict[str, Any]:
     plan = make_plan(traced, cfg, None, step_samples=batch, data_parallel=d)
     with open(args["plan_file"], "w") as f:
         f.write(plan.to_json())
-    ranks = predict_memory(plan, traced.graph, MemorySettings(
-        partitions=cfg.partitions, microbatches=step_microbatches(cfg.microbatches, batch // d),
-        pipeline=cfg.pipeline,
-        virtual_stages=cfg.chunks, batch_size=batch // d, data_parallel=d,
-        optimize=cfg.optimize, optimizer="adam", baseline=int(args["baseline"]),
-        shard_optimizer_state=bool(cfg.shard_optimizer_state)))
+    # the settings the runtime's own check reads from this config (`settings_of`: its
+    # microbatches per step, drain, sharding...), with the baseline measured here
+    settings = replace(settings_of(cfg, "adam", batch // d, d), baseline=int(args["baseline"]))
+    ranks = predict_memory(plan, traced.graph, settings)
     ops = [sum(traced.graph.nodes[n].ops for n in plan.layers(s)) for s in range(plan.num_stages)]
     linear = [sum(traced.graph.nodes[n].linear_bytes for n in plan.layers(s))
               for s in range(plan.num_stages)]
