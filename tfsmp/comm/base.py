@@ -100,10 +100,11 @@ class Group(abc.ABC):
         """Reduces picklable values with `op` in REDUCE_OPS ("sum", "max", "min", "and", "or")."""
 
     def p2p(self) -> tuple[Callable[[Any, int, int], Request], Callable[[np.ndarray, int, int], Request]]:
-        """``(isend, irecv)`` for messages whose buffers and peers the caller has checked once
-        (the executor's: [Note: message plan] in tfsmp/runtime/executor.py). ``isend`` takes any
-        C-contiguous buffer (a tensor's memoryview). A group may drop the per-call checks there;
-        by default these are `isend` and `irecv`."""
+        """``(isend, irecv)`` for messages whose buffers and peers the caller guarantees (the
+        executor's come from its message plan: [Note: message plan] in
+        tfsmp/runtime/executor.py). ``isend`` takes any C-contiguous buffer (a tensor's
+        memoryview). A group may drop the per-call checks there; by default these are `isend`
+        and `irecv`."""
         return (lambda buf, dest, tag: self.isend(np.asarray(buf), dest, tag)), self.irecv
 
     def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:

@@ -281,7 +281,9 @@ class Executor:
         self._queues: list[list[_Receive]] = []  # receives per stream, in schedule order
         self._by_action: dict[int, _Receive] = {}  # id(receive action) -> its plan
         self._sends: dict[int, _Send] = {}  # id(send action) -> its plan
-        self._isend, self._irecv = group.p2p()  # checked once here: [Note: message plan]
+        # the group's calls without per-call checks: a message's buffer (a pool ring's, or a
+        # sent tensor's contiguous view) and peer rank come from its plan ([Note: message plan])
+        self._isend, self._irecv = group.p2p()
         self._dispatch: dict[Op, Callable[[Action], None]] = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.WEIGHT: self._weight,
             Op.SEND_F: self._send_forward, Op.RECV_F: self._recv_forward,
