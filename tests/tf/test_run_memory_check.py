@@ -125,6 +125,27 @@ def test_run_drops_the_drain_split_where_only_that_fits(
     Path(config["partition_file"]).unlink()
 
 
+def test_plan_reports_and_writes_the_drain_split_off_where_only_that_fits(
+        tmp_path: Path, peaks: dict[str, int], capsys: pytest.CaptureFixture[str]) -> None:
+    """`tfsmp plan` decides as `tfsmp run` does: a speed-mode plan over the cap only with its
+    drain split fits without it, and the plan it writes says so."""
+    (tmp_path / "mc_models.py").write_text(_MODEL)
+    out = tmp_path / "plan.json"
+
+    def plan(cap: int) -> str:
+        assert cli_main(["plan", f"{tmp_path / 'mc_models.py'}:stack", "-p", "2",
+                         "--optimize", "speed", "--batch-size", str(BATCH), "--microbatches",
+                         "2", "--memory-per-rank", str(cap), "--out", str(out)]) == 0
+        return capsys.readouterr().out
+
+    text = plan((peaks["speed_plain"] + peaks["speed"]) // 2)
+    assert "fits: every rank within" in text and "with no drain split" in text
+    assert not StagePlan.from_json(out.read_text()).drain_split
+    text = plan(peaks["speed"] + 16 * MiB)
+    assert "fits: every rank within" in text and "drain split" not in text
+    assert StagePlan.from_json(out.read_text()).drain_split
+
+
 def test_run_launches_a_plan_that_fits_unchanged(
         tmp_path: Path, peaks: dict[str, int], capsys: pytest.CaptureFixture[str],
         cgroups: None) -> None:

@@ -158,6 +158,7 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
         predict_memory,
         step_microbatches,
     )
+    from tfsmp.partitioning.memory_check import check_memory
     from tfsmp.partitioning.memory_plan import what_fits
     from tfsmp.partitioning.planner import plan_graph
     from tfsmp.partitioning.report import format_memory
@@ -181,10 +182,16 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
                       optimize=args.optimize, memory_weight=args.memory_weight,
                       method=args.method, optimizer=optimizer, batch_size=args.batch_size or 1,
                       memory=settings, memory_cap=cap)
-    ranks = predict_memory(plan, traced.graph, settings)
-    fits = cap is None or all(r.total <= cap for r in ranks)
-    hints = [] if fits else what_fits(traced.graph, settings, cap or 0.0)
-    return plan, traced.graph, format_memory(ranks, cap, hints)
+    if cap is None:
+        return plan, traced.graph, format_memory(predict_memory(plan, traced.graph, settings))
+    # as `tfsmp run` decides ([Note: the launcher obeys the model] in memory_check.py): where
+    # only the speed mode's drain split is over the cap, the plan written runs without it
+    decision = check_memory(traced.graph, settings, cap, lambda _: plan, what_fits=what_fits)
+    text = format_memory(decision.ranks, cap, decision.hints)
+    if decision.changes:
+        text += (f"\nwith {'; '.join(decision.changes)}: the plan written says so "
+                 f"(drain_split false), as tfsmp run would run it")
+    return decision.plan, traced.graph, text
 
 
 def register(subparsers: Any) -> None:
