@@ -159,7 +159,6 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
         step_microbatches,
     )
     from tfsmp.partitioning.memory_check import check_memory
-    from tfsmp.partitioning.memory_plan import what_fits
     from tfsmp.partitioning.planner import plan_graph
     from tfsmp.partitioning.report import format_memory
 
@@ -186,7 +185,7 @@ def _memory_plan(args: argparse.Namespace, model: Any, optimizer: str | None
         return plan, traced.graph, format_memory(predict_memory(plan, traced.graph, settings))
     # as `tfsmp run` decides ([Note: the launcher obeys the model] in memory_check.py): where
     # only the speed mode's drain split is over the cap, the plan written runs without it
-    decision = check_memory(traced.graph, settings, cap, lambda _: plan, what_fits=what_fits)
+    decision = check_memory(traced.graph, settings, cap, lambda _: plan)
     text = format_memory(decision.ranks, cap, decision.hints)
     if decision.changes:
         text += (f"\nwith {'; '.join(decision.changes)}: the plan written says so "

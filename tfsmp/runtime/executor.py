@@ -321,7 +321,7 @@ class Executor:
         """Every receive buffer ([Note: receive buffers] in buffers.py)."""
         return self.pool.buffers()
 
-    def _wait(self, requests: list[Request], what: str | Callable[[], str]) -> None:
+    def _wait(self, requests: list[Request], what: str) -> None:
         """Waits for requests, polling so that a stall is diagnosed instead of hanging.
 
         [Note: polling] Each poll tests all requests in one call (MPI ``Testall``; a single
@@ -337,11 +337,11 @@ class Executor:
         launcher and the benchmarks run), spinning was 1.2-40x slower than yielding at every
         size from 256 KB to 16 MB, the two ranks taking turns on one core. A blocking
         ``Waitall`` would save no time over the spin and could neither back off nor let the
-        watchdog's table show the wait. The watchdog hears of a wait, and ``what`` (which may
-        be a function) is built, only once the wait leaves the yield phase: the executor times
-        its stalls itself, a table of a 50 ms wait would say nothing a stall's table does not,
-        and building the text and writing the status record (a few microseconds) in every
-        wait that is over within a message's time would cost more than the wait.
+        watchdog's table show the wait. The watchdog hears of a wait only once it leaves the
+        yield phase: the executor times its stalls itself, a table of a 50 ms wait would say
+        nothing a stall's table does not, and writing the status record (a few microseconds)
+        in every wait that is over within a message's time would cost more than the wait. A
+        receive's ``what`` is made once per plan (`_Receive.text`), not per wait.
         """
         # one boundary per message is the common case: its request's own test, one call less
         test = requests[0].test if len(requests) == 1 else lambda: testall(requests)
@@ -361,11 +361,9 @@ class Executor:
                 break
         self._wait_long(requests, what, start)
 
-    def _wait_long(self, requests: list[Request], what: str | Callable[[], str],
-                   start: float) -> None:
+    def _wait_long(self, requests: list[Request], text: str, start: float) -> None:
         """`_wait` past its yield phase: tells the watchdog, sleeps between tests, and raises
         (or has the watchdog abort the job) past `stall_timeout`."""
-        text = what if isinstance(what, str) else what()
         deadline = start + self.stall_timeout if self.stall_timeout > 0 else None
         if self.watchdog is not None:
             self.watchdog.waiting(text)
