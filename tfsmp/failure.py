@@ -32,13 +32,14 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from tfsmp import relaunch
 from tfsmp.errors import TfsmpError
 
-__all__ = ["DEBUG_ENV", "DIR_ENV", "REPORT_GRACE", "SETUP_GRACE", "abort_job", "claim_report",
-           "debugging", "default_directory", "end_job", "format_setup_error", "format_short",
+__all__ = ["DEBUG_ENV", "DIR_ENV", "ECHO_GRACE", "REPORT_GRACE", "SETUP_GRACE", "abort_job",
+           "claim_report", "debugging", "default_directory", "echo", "echo_of", "end_job",
+           "format_setup_error", "format_short",
            "format_tagged", "install", "installed", "launcher_rank", "mark_setup_error",
            "uninstall"]
 
@@ -102,6 +103,8 @@ def _report(exc_type: type[BaseException], exc: BaseException, tb: TracebackType
             thread: str | None = None) -> None:
     with _lock:  # two threads failing at once must not interleave their lines
         tag = _safe_tag()
+        if echo_of(exc) is not None and not debugging() and not _claimed:
+            time.sleep(ECHO_GRACE)  # the rank that failed first claims the report
         if debugging() or claim_report():
             try:
                 sys.stderr.write(format_short(exc, tag) if _short(exc) else
@@ -130,9 +133,18 @@ def _report(exc_type: type[BaseException], exc: BaseException, tb: TracebackType
 # drops as redundant (`tfsmp.launch.output`). Where no job directory is known, every failing
 # rank prints.
 REPORT_GRACE = 0.5  # s a rank that does not report waits before it exits
+# [Note: echoes defer] Some errors are one rank's copy of another rank's failure: a rank whose
+# dataset raised re-raises its own exception after the per-step batch agreement, and at that
+# same moment its peers raise a StepError naming it; the last stage's metric error is raised
+# again on the other stages. The first rank to claim used to print, and the copy (no traceback,
+# second hand) won the race now and then. `echo` marks the copy; a rank reporting one waits
+# ECHO_GRACE before it claims, so the rank whose failure it echoes prints its own traceback.
+# If that rank never claims (killed, on another host), the copy still prints, ECHO_GRACE later.
+ECHO_GRACE = 1.0
 DIR_ENV = "TFSMP_WATCHDOG_DIR"
 # Environment variables that name the running job, launcher by launcher.
 _JOB_KEYS = ("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid", "SLURM_JOB_ID", "PBS_JOBID")
+_E = TypeVar("_E", bound=BaseException)
 _claimed: list[bool] = []  # this process's claim, once decided
 
 
@@ -188,6 +200,19 @@ def claim_report(environ: Mapping[str, str] | None = None) -> bool:
             mine = True
     _claimed.append(mine)
     return mine
+
+
+def echo(exc: _E, origin: int) -> _E:
+    """Marks ``exc`` as this rank's copy of world rank ``origin``'s failure ([Note: echoes
+    defer]) and returns it: ``raise failure.echo(StepError(...), origin=r)``."""
+    exc.__dict__["_tfsmp_echo_of"] = int(origin)
+    return exc
+
+
+def echo_of(exc: BaseException) -> int | None:
+    """The world rank whose failure ``exc`` echoes (`echo`), or None for a failure of its own."""
+    origin = getattr(exc, "__dict__", {}).get("_tfsmp_echo_of")
+    return origin if isinstance(origin, int) else None
 
 
 def _ours(directory: str) -> bool:

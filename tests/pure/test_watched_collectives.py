@@ -171,6 +171,44 @@ def test_only_the_first_rank_of_a_job_claims_the_report(
     assert oct(os.stat(tmp_path / "job-prterun-vm-1_1").st_mode & 0o777) == "0o700"
 
 
+_FAILING_RANK = textwrap.dedent("""
+    import sys, time
+    from tfsmp import failure
+    from tfsmp.errors import StepError
+    rank, delay, echoes = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "echo"
+    failure.install(lambda: f"rank {rank} | pp_rank 0")
+    time.sleep(delay)
+    if echoes:
+        raise failure.echo(StepError("Received: rank 1 failed reading its batch"), origin=1)
+    raise RuntimeError("injected fault on rank 1")
+""")
+
+
+def _fail_together(tmp_path: Path, *ranks: tuple[int, float, str]) -> dict[int, str]:
+    """Runs one failing process per (rank, delay, kind) as ranks of one job; their stderr."""
+    env = {**os.environ, "PMIX_NAMESPACE": "prterun-echo@1", failure.DIR_ENV: str(tmp_path),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = {r: subprocess.Popen([sys.executable, "-c", _FAILING_RANK, str(r), str(d), k],
+                                 env={**env, "OMPI_COMM_WORLD_RANK": str(r)},
+                                 stderr=subprocess.PIPE, text=True) for r, d, k in ranks}
+    return {r: p.communicate(timeout=60)[1] for r, p in procs.items()}
+
+
+def test_a_copy_of_another_ranks_failure_lets_that_rank_report(tmp_path: Path) -> None:
+    # [Note: echoes defer]: rank 0's copy is raised first, yet rank 1 prints its traceback
+    err = _fail_together(tmp_path, (0, 0.0, "echo"), (1, 0.3, "own"))
+    assert "Traceback (most recent call last):" in err[1], err
+    assert "[rank 1 | pp_rank 0] RuntimeError: injected fault on rank 1" in err[1], err
+    assert "StepError" not in err[0], err
+
+
+def test_a_copy_prints_when_the_rank_it_echoes_never_reports(tmp_path: Path) -> None:
+    start = time.monotonic()
+    err = _fail_together(tmp_path, (0, 0.0, "echo"))
+    assert err[0] == "[rank 0 | pp_rank 0] StepError: Received: rank 1 failed reading its batch\n"
+    assert time.monotonic() - start >= failure.ECHO_GRACE
+
+
 def test_end_job_outside_an_mpi_job_returns() -> None:
     failure.end_job(1)  # nothing to end: the caller goes on (the excepthook then exits 1)
 

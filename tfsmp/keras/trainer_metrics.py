@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend import get_keras_mask, set_keras_mask
 
+from tfsmp import failure
 from tfsmp.errors import StepError
 from tfsmp.runtime import microbatch as mbatch
 
@@ -148,7 +149,8 @@ class TrainerMetrics:
         if view.is_last_rank or payload is None:
             return
         if payload[0] == "error":
-            raise _same_error(payload[1], payload[2])
+            raise failure.echo(_same_error(payload[1], payload[2]),
+                               origin=view.groups.pipeline.ranks[view.last_rank])
         specs, values = payload
         if not compiled.built:  # the same objects as the last stage's: built from its shapes
             zeros = self._pack([np.zeros(s, dtype=d) for s, d in specs])

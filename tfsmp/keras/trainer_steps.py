@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from tfsmp import failure
 from tfsmp.comm import collective_label
 from tfsmp.errors import StepError
 from tfsmp.keras import trainer_metrics
@@ -103,9 +104,10 @@ def _agree(model: DistributedModel, batch: Any, phase: str,
         if error is not None:
             raise error
         r, what = failures[0]
-        raise StepError(
+        raise failure.echo(StepError(
             f"{tag} Every rank must read its next batch. Received: rank {r} failed reading its "
-            f"batch in {phase} ({what}). Fix the data on that rank (its own message says how).")
+            f"batch in {phase} ({what}). Fix the data on that rank (its own message says how)."),
+            origin=world.ranks[r])
     got = [(p, h, d) for p, h, d, _ in everyone]
     where = _where(model, phase)
     phases = sorted({p for p, _, _ in got})
