@@ -62,6 +62,8 @@ EXPECTED: dict[str, tuple[str, str]] = {
         r"element of shape \(None, 8\) was expected"),
     "fit_before_compile": ("StepError", r"^fit needs a loss and an optimizer\. .*Call "
                            r"model\.compile\(optimizer=\.\.\., loss=\.\.\.\) first\."),
+    # the last stage's compiled metric raises: the other rank raises the same, as a copy
+    "metric_update_fails": ("ValueError", r"^injected metric failure: this metric cannot update"),
     # model
     "boundary_shape_unknown": (
         "StepError", r"^The shape of a tensor crossing stages must follow from the shapes of the "
@@ -171,3 +173,13 @@ def test_bad_input_gives_its_error_on_every_rank_and_changes_nothing(
     # the same sentence on both ranks (rank tags and per-rank file lists aside)
     first = [_untagged(o["error"]).split(" (and ")[0] for o in per_rank]
     assert first[0] == first[1]
+
+
+def test_a_copy_of_the_last_stages_error_is_marked_as_its(
+        staged: dict[str, list[dict[str, Any]]]) -> None:
+    # [Note: echoes defer] in tfsmp/failure.py: rank 0 raises the last stage's error again,
+    # marked as rank 1's, so that a job ending on it prints rank 1's traceback
+    first, last = staged["metric_update_fails"]
+    assert (first["echo_of"], last["echo_of"]) == (1, None)
+    assert all(o["echo_of"] is None for name, per_rank in staged.items()
+               if name != "metric_update_fails" for o in per_rank), "only copies are marked"

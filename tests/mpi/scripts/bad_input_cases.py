@@ -1,8 +1,9 @@
 """Bad input on 2 ranks (2 stages): every rank raises the same clear error, nothing changes, no hang.
 
 Cases run through `tests/mpi/cases_runner.py`. Each returns ``{name: {"error": "Type: message",
-"unchanged": bool}}``: the error every rank raised and whether this rank's weights (and the
-optimizer's step count) are what they were before the bad call. The test pins the messages and
+"unchanged": bool, "echo_of": rank or None}}``: the error every rank raised, whether this rank's
+weights (and the optimizer's step count) are what they were before the bad call, and the rank
+whose failure the error copies (`tfsmp.failure.echo_of`). The test pins the messages and
 checks that both ranks agree. Checkpoint files are written under ``TFSMP_BAD_INPUT_DIR``.
 """
 
@@ -24,6 +25,7 @@ import tensorflow as tf
 from caseutil import reinit
 
 import tfsmp
+from tfsmp import failure
 from tfsmp.errors import TfsmpError
 
 BATCH = 16
@@ -80,8 +82,11 @@ def _outcome(dm: tfsmp.DistributedModel | None, fn: Callable[[], Any],
         error = "no error"
     except (TfsmpError, ValueError, TypeError, tf.errors.OpError) as e:
         error = f"{type(e).__name__}: {e}"
+        echo = failure.echo_of(e)  # a copy of another rank's failure ([Note: echoes defer])
+    else:
+        echo = None
     unchanged = True if dm is None else _same(before or [], _snapshot(dm))
-    return {"error": error, "unchanged": unchanged}
+    return {"error": error, "unchanged": unchanged, "echo_of": echo}
 
 
 class _Recorder(keras.callbacks.Callback):  # type: ignore[misc]
@@ -145,8 +150,31 @@ def case_data(ctx: Any) -> dict[str, Outcome]:
         ("dataset_batch_size_not_int", lambda: _fit_outcome(
             dm, tf.data.Dataset.from_generator(changing, output_signature=spec),
             batch_size="16")),
+        ("metric_update_fails", lambda: _failing_metric(x, y)),
     ]
     return _run(checks)
+
+
+class _FailingMetric(keras.metrics.Metric):  # type: ignore[misc]
+    """A compiled metric whose update raises (Keras raises it from its train step)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="failing")
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        raise ValueError("injected metric failure: this metric cannot update")
+
+    def result(self) -> Any:
+        return self.total
+
+
+def _failing_metric(x: np.ndarray, y: np.ndarray) -> Outcome:
+    """Only the last stage updates the compiled metrics; the other rank raises its error too,
+    marked as a copy of the last stage's rank's failure."""
+    dm = tfsmp.DistributedModel(_model(name="metric_net"))
+    dm.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse", metrics=[_FailingMetric()])
+    return _outcome(None, lambda: dm.train_on_batch(x[:BATCH], y[:BATCH]))
 
 
 class _AddIfGiven(keras.layers.Layer):  # type: ignore[misc]
