@@ -6,7 +6,11 @@ Examples::
     python -m tests.mpi.keras_judge --files callbacks/*_test.py -k early_stopping
     python -m tests.mpi.keras_judge --files saving/saving_api_test.py --json /tmp/s.json --md -
 
-Writes docs/keras_tests.json and docs/keras_tests.md by default and prints the table.
+Prints the table. A run of every default file at the default settings also writes
+docs/keras_tests.json and docs/keras_tests.md; any narrower run (``--files``, ``-k``,
+``--partitions``, ``--reverse``) writes them into ``--workdir`` instead, if one is given, so that
+a partial run does not replace the committed report of the whole set (``--json``/``--md`` name
+a file, or ``-`` for nowhere).
 """
 
 from __future__ import annotations
@@ -91,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="test files or globs under keras/src, each a group run plain "
                              "then wrapped (default: %(default)s)")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
-    parser.add_argument("--json", default=str(REPO_ROOT / "docs" / "keras_tests.json"),
-                        help="where to write the data ('-': nowhere)")
-    parser.add_argument("--md", default=str(REPO_ROOT / "docs" / "keras_tests.md"),
-                        help="where to write the Markdown report ('-': nowhere)")
+    parser.add_argument("--json", default=None,
+                        help="where to write the data ('-': nowhere; default: see above)")
+    parser.add_argument("--md", default=None,
+                        help="where to write the Markdown report ('-': nowhere; default: see "
+                             "above)")
     parser.add_argument("--workdir", default=None, help="keep the per-rank records here")
     parser.add_argument("--reverse", action="store_true",
                         help="run each file's tests last to first: a second run started beside "
@@ -105,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true",
                         help="launch nothing: report what a run left in --workdir")
     args = parser.parse_args(argv)
+    partial = _partial(args)
     groups = [runner.resolve_files([pattern]) for pattern in args.files]
     runner.REVERSE["on"] = args.reverse
     runner.CONFIG["partitions"] = args.partitions
@@ -113,13 +119,39 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         data = judge(groups, args.keyword, workdir, reuse=args.report_only)
     text = report.markdown(data)
-    if args.json != "-":
-        Path(args.json).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-    if args.md != "-":
-        Path(args.md).write_text(text)
+    json_path, md_path = _outputs(args, partial)
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    if md_path is not None:
+        Path(md_path).write_text(text)
     print(text)
+    print(f"report written to: {', '.join(str(p) for p in (json_path, md_path) if p) or 'nowhere'}")
     print(f"total {time.monotonic() - start:.0f} s")
     return 0
+
+
+def _partial(args: argparse.Namespace) -> bool:
+    """Whether the run judges less than, or other than, the whole default set."""
+    return (args.files != list(runner.DEFAULT_FILES) or args.keyword is not None
+            or args.reverse or args.partitions != runner.CONFIG["partitions"])
+
+
+def _outputs(args: argparse.Namespace, partial: bool) -> tuple[str | None, str | None]:
+    """Where the data and the Markdown report go: what ``--json``/``--md`` name (``-``: nowhere);
+    by default the committed docs for a run of the whole default set, the workdir (or nowhere)
+    for a partial one."""
+    docs = REPO_ROOT / "docs"
+    out = []
+    for given, name in ((args.json, "keras_tests.json"), (args.md, "keras_tests.md")):
+        if given == "-":
+            out.append(None)
+        elif given is not None:
+            out.append(given)
+        elif not partial:
+            out.append(str(docs / name))
+        else:
+            out.append(str(Path(args.workdir) / name) if args.workdir else None)
+    return out[0], out[1]
 
 
 if __name__ == "__main__":
