@@ -106,7 +106,7 @@ def launch(np: int, module: str, func: str, args: Mapping[str, Any], *, timeout:
     Raises:
         BenchError: the job failed, timed out, or rank 0 printed no result.
     """
-    from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun, fresh_session
+    from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun, fresh_session, job_tmpdir
 
     prefix: list[str] = []
     if memory_per_rank is not None:
@@ -116,15 +116,19 @@ def launch(np: int, module: str, func: str, args: Mapping[str, Any], *, timeout:
     argv = build_mpirun_command(np, ["-m", "benchmarks.worker", module, func, json.dumps(dict(args))],
                                 mpirun=find_mpirun(), rank_prefix=prefix)
     start = time.monotonic()
-    proc = subprocess.Popen(fresh_session(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_job_env(threads, env), cwd=REPO_ROOT, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, err = proc.communicate()
-        raise BenchError(f"{module}.{func} on {np} ranks exceeded {timeout:.0f} s and was killed.\n"
-                         f"{_tail(out, err)}") from None
+    job_env = _job_env(threads, env)
+    with job_tmpdir() as tmp:  # [Note: a job's temp folder] in tfsmp/launch/mpirun.py
+        if "TMPDIR" not in (env or {}):
+            job_env["TMPDIR"] = tmp
+        proc = subprocess.Popen(fresh_session(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=job_env, cwd=REPO_ROOT, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            out, err = proc.communicate()
+            raise BenchError(f"{module}.{func} on {np} ranks exceeded {timeout:.0f} s and was "
+                             f"killed.\n{_tail(out, err)}") from None
     result = _rank0_result(out)
     if proc.returncode != 0 or result is None:
         raise BenchError(f"{module}.{func} on {np} ranks failed (exit code {proc.returncode}).\n"

@@ -64,6 +64,7 @@ from tfsmp.launch.mpirun import (
     build_mpirun_command,
     find_mpirun,
     fresh_session,
+    job_tmpdir,
     launcher_never_started,
 )
 
@@ -209,22 +210,26 @@ def run_mpi(np: int, argv: Sequence[str | os.PathLike[str]], *,
     with contextlib.suppress(ValueError, OSError):  # ranks inherit it: no core files from
         resource.setrlimit(  # `_stacks_then_kill`'s aborts
             resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
-    for attempt in range(LAUNCH_ATTEMPTS):
-        start = time.monotonic()
-        proc = subprocess.Popen(fresh_session(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=job_env, cwd=REPO_ROOT, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            out, err = _stacks_then_kill(proc)
-            partial = Result(cmd, -9, out or "", err or "", time.monotonic() - start)
-            raise MpiTimeout(f"job exceeded its {timeout:.0f} s timeout and was killed\n"
-                             f"{partial.describe()}") from None
-        if not launcher_never_started(proc.returncode, err, out):
-            break
-        print(f"mpihelp: the launcher failed before starting any rank (attempt {attempt + 1} of "
-              f"{LAUNCH_ATTEMPTS}); retrying:\n{err.strip()}", file=sys.stderr)
-        time.sleep(0.5 * (attempt + 1))
+    with contextlib.ExitStack() as job:
+        if "TMPDIR" not in (env or {}):  # what killed ranks leave goes with the job
+            job_env["TMPDIR"] = job.enter_context(job_tmpdir())  # [Note: a job's temp folder]
+        for attempt in range(LAUNCH_ATTEMPTS):
+            start = time.monotonic()
+            proc = subprocess.Popen(fresh_session(cmd), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=job_env,
+                                    cwd=REPO_ROOT, start_new_session=True)
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                out, err = _stacks_then_kill(proc)
+                partial = Result(cmd, -9, out or "", err or "", time.monotonic() - start)
+                raise MpiTimeout(f"job exceeded its {timeout:.0f} s timeout and was killed\n"
+                                 f"{partial.describe()}") from None
+            if not launcher_never_started(proc.returncode, err, out):
+                break
+            print(f"mpihelp: the launcher failed before starting any rank (attempt {attempt + 1} "
+                  f"of {LAUNCH_ATTEMPTS}); retrying:\n{err.strip()}", file=sys.stderr)
+            time.sleep(0.5 * (attempt + 1))
     stdout_ranks: dict[int, list[str]] = {}
     stderr_ranks: dict[int, list[str]] = {}
     _split_ranks(out, stdout_ranks, prefixed=False)

@@ -39,9 +39,8 @@ from tfsmp.errors import TfsmpError
 
 __all__ = ["DEBUG_ENV", "DIR_ENV", "ECHO_GRACE", "REPORT_GRACE", "SETUP_GRACE", "abort_job",
            "claim_report", "debugging", "default_directory", "echo", "echo_of", "end_job",
-           "format_setup_error", "format_short",
-           "format_tagged", "install", "installed", "launcher_rank", "mark_setup_error",
-           "uninstall"]
+           "format_setup_error", "format_short", "format_tagged", "install", "installed",
+           "launcher_rank", "mark_setup_error", "remove_generated_sources", "uninstall"]
 
 _previous: tuple[Any, Any] | None = None
 _rank_tag: Callable[[], str] = lambda: "rank ?"  # noqa: E731 - replaced by install()
@@ -233,9 +232,36 @@ def end_job(code: int = 1) -> None:
         sys.stderr.flush()
     if _mpi_world_size() <= 1:
         return
+    remove_generated_sources()
     if os.environ.get("OMPI_COMM_WORLD_RANK") is not None:
         os._exit(code)
     abort_job(code)
+
+
+_GENERATED = "__autograph_generated_file"  # TensorFlow's prefix (autograph/pyct/loader.py)
+
+
+def remove_generated_sources() -> int:
+    """Removes the source files TensorFlow's autograph wrote for this process; returns how many.
+
+    [Note: generated sources] Autograph writes each function it converts to a file
+    ``<temp>/__autograph_generated_file<random>.py`` and deletes it in an ``atexit`` hook. A
+    rank that ends the job skips ``atexit`` (`end_job`: ``os._exit``, or ``MPI_Abort``), so
+    every failed job left its failing rank's files behind: about 7,800 in this machine's
+    ``/tmp`` after a few days of test runs (2026-12-06). Each converted module stays in
+    ``sys.modules`` under its file's name, so the files are known without TensorFlow's help;
+    they are removed once the traceback has been printed (nothing reads them after that). The
+    other ranks, which their launcher kills, cannot clean up after themselves: `tfsmp run`
+    gives every job a temp folder of its own and removes it afterwards (`job_tmpdir` in
+    tfsmp/launch/mpirun.py)."""
+    removed = 0
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) if name.startswith(_GENERATED) else None
+        if path and os.path.basename(path).startswith(_GENERATED):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+                removed += 1
+    return removed
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException,

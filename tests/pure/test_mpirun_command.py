@@ -240,11 +240,34 @@ def test_sweep_removes_dead_launchers_session_folders_and_keeps_live_ones(
     (tmp_path / f"ompi.{os.getpid()}").mkdir()  # a live launcher's
     (tmp_path / "ompi.notapid").mkdir()         # not a session folder of a pid
     (tmp_path / f"ompi.{top + 9}").write_text("a file, not a folder\n")
+    # job temp folders ([Note: a job's temp folder]): a dead launcher's goes, a live one's stays
+    (tmp_path / f"tfsmp-tmp.{top + 5}.0a1b").mkdir()
+    (tmp_path / f"tfsmp-tmp.{top + 5}.0a1b" / "__autograph_generated_fileq.py").write_text("")
+    (tmp_path / f"tfsmp-tmp.{os.getpid()}.77ff").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    assert sweep_stale_sessions() == 3
+    assert sweep_stale_sessions() == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"ompi.{os.getpid()}", "ompi.notapid", f"ompi.{top + 9}"])
+        [f"ompi.{os.getpid()}", "ompi.notapid", f"ompi.{top + 9}",
+         f"tfsmp-tmp.{os.getpid()}.77ff"])
     # fresh_session sweeps as it builds the command
     (tmp_path / f"ompi.{dead[0]}").mkdir()
     assert fresh_session(["mpirun", "true"])[0] == "/bin/sh"
     assert not (tmp_path / f"ompi.{dead[0]}").exists()
+
+
+def test_a_job_temp_folder_is_private_named_after_its_launcher_and_removed_with_its_files(
+        tmp_path: Path) -> None:
+    import stat
+
+    from tfsmp.launch.mpirun import JOB_TMP_PREFIX, job_tmpdir
+
+    with job_tmpdir(str(tmp_path)) as job:
+        path = Path(job)
+        assert path.parent == tmp_path and path.name.startswith(f"{JOB_TMP_PREFIX}{os.getpid()}.")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+        (path / "ompi.1").mkdir()
+        (path / "ompi.1" / "x").write_text("a rank's file\n")
+    assert not path.exists()
+    with pytest.raises(RuntimeError), job_tmpdir(str(tmp_path)) as job:  # a failed launch too
+        raise RuntimeError("launch failed")
+    assert not Path(job).exists() and list(tmp_path.iterdir()) == []

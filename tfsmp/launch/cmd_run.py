@@ -18,6 +18,7 @@ through `tfsmp.launch.output`, which drops TensorFlow's start-up lines ([Note: q
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     from tfsmp.errors import ConfigError
     from tfsmp.launch import ownjob
     from tfsmp.launch.hosts import forwarded_env
-    from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun
+    from tfsmp.launch.mpirun import build_mpirun_command, find_mpirun, job_tmpdir
 
     try:
         hosts = resolve_hosts(args)
@@ -199,23 +200,26 @@ def run(args: argparse.Namespace) -> int:
     user_env.update(cap_env)
     # Ranks on this host inherit the environment; the other hosts' ranks only get `-x` names.
     env = {**(forwarded_env(os.environ) if hosts else {}), **user_env}
-    argv = build_mpirun_command(
-        np, [args.script, *args.script_args], config_json=config_json, hostfile=args.hostfile,
-        hosts=[str(h) for h in hosts] if args.hosts else None, env=env,
-        extra_mpi_args=[*dist_mpi_args, *shlex.split(args.mpi_args or "")],
-        tag_output=args.tag_output, mpirun=find_mpirun(), network_interface=interface,
-        rank_guard=bool(hosts) or bool(getattr(args, "max_restarts", 0)),
-        rank_prefix=cap_prefix, local_only=not hosts, huge_pages=True)
-    if args.dry_run:
-        print(shlex.join(argv))
-        return 0
-    sys.stdout.flush()
-    from tfsmp.launch.output import run_filtered, tf_logs_wanted
+    with contextlib.ExitStack() as job:
+        if not hosts and not args.dry_run and "TMPDIR" not in user_env:
+            env["TMPDIR"] = job.enter_context(job_tmpdir())  # [Note: a job's temp folder]
+        argv = build_mpirun_command(
+            np, [args.script, *args.script_args], config_json=config_json,
+            hostfile=args.hostfile, hosts=[str(h) for h in hosts] if args.hosts else None,
+            env=env, extra_mpi_args=[*dist_mpi_args, *shlex.split(args.mpi_args or "")],
+            tag_output=args.tag_output, mpirun=find_mpirun(), network_interface=interface,
+            rank_guard=bool(hosts) or bool(getattr(args, "max_restarts", 0)),
+            rank_prefix=cap_prefix, local_only=not hosts, huge_pages=True)
+        if args.dry_run:
+            print(shlex.join(argv))
+            return 0
+        sys.stdout.flush()
+        from tfsmp.launch.output import run_filtered, tf_logs_wanted
 
-    tf_logs = args.tf_logs or tf_logs_wanted()
-    if getattr(args, "max_restarts", 0):  # relaunch after a failure (docs/resume.md)
-        return restart.run(args, argv, hosts, np, config_json, tf_logs=tf_logs)
-    return run_filtered(argv, tf_logs=tf_logs, grace=grace)
+        tf_logs = args.tf_logs or tf_logs_wanted()
+        if getattr(args, "max_restarts", 0):  # relaunch after a failure (docs/resume.md)
+            return restart.run(args, argv, hosts, np, config_json, tf_logs=tf_logs)
+        return run_filtered(argv, tf_logs=tf_logs, grace=grace)
 
 
 def _check_script(script: str) -> None:

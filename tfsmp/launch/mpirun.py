@@ -18,11 +18,14 @@ passing its extra flags through `extra_mpi_args` and its variables through `env`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import secrets
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "fresh_session",
     "huge_page_env",
     "is_root",
+    "job_tmpdir",
     "launcher_never_started",
     "sweep_stale_sessions",
 ]
@@ -79,7 +83,8 @@ def fresh_session(argv: Sequence[str]) -> list[str]:
 
 
 def sweep_stale_sessions() -> int:
-    """Removes this user's Open MPI session folders whose launcher no longer exists.
+    """Removes this user's Open MPI session folders, and job temp folders (`job_tmpdir`),
+    whose launcher no longer exists.
 
     A killed launcher's folder stays in the temp folder for ever (dozens after a day of test
     runs here); its pid has no process (no ``/proc/PID``), so no launcher can be using it. A
@@ -95,7 +100,7 @@ def sweep_stale_sessions() -> int:
     removed, me = 0, os.getuid()
     with os.scandir(tmp) as entries:
         for entry in entries:
-            pid = entry.name[5:] if entry.name.startswith("ompi.") else ""
+            pid = _owner_pid(entry.name)
             if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
                 continue
             try:
@@ -105,6 +110,46 @@ def sweep_stale_sessions() -> int:
             except OSError:  # gone meanwhile (another sweep)
                 continue
     return removed
+
+
+JOB_TMP_PREFIX = "tfsmp-tmp."  # `job_tmpdir`'s folders: tfsmp-tmp.<launcher pid>.<random>
+
+
+def _owner_pid(name: str) -> str:
+    """The launcher pid in a session folder's name (``ompi.<pid>``, or `job_tmpdir`'s), or ""."""
+    if name.startswith("ompi."):
+        return name[5:]
+    if name.startswith(JOB_TMP_PREFIX):
+        return name[len(JOB_TMP_PREFIX):].split(".", 1)[0]
+    return ""
+
+
+@contextlib.contextmanager
+def job_tmpdir(base: str | None = None) -> Iterator[str]:
+    """A private temp folder for one job's ranks, removed with everything in it when the job is
+    over: the launcher exports it as their ``TMPDIR``.
+
+    [Note: a job's temp folder] A rank that is killed (the launcher ends a job when one of its
+    ranks fails, or on a stop signal) runs no ``atexit`` hook, and TensorFlow deletes the source
+    files autograph writes for every converted function only there ([Note: generated sources]
+    in tfsmp/failure.py): each failed job left a rank's worth of them in ``/tmp``, thousands in
+    all. So, as batch schedulers do with a job's ``$TMPDIR`` (SLURM's per-job tmpfs, PBS),
+    `tfsmp run` points the ranks of a one-host job at a folder of its own and removes it once
+    no process of the job is left; a file a script must keep belongs elsewhere. Its name holds
+    the launcher's pid, so a folder whose launcher was killed before removing it is swept by
+    the next launch (`sweep_stale_sessions`). Ranks on other hosts keep theirs: this folder
+    exists on the launcher's host only.
+
+    Args:
+        base: Where to make it (default: this process's temp folder).
+    """
+    root = base or tempfile.gettempdir()
+    path = os.path.join(root, f"{JOB_TMP_PREFIX}{os.getpid()}.{secrets.token_hex(4)}")
+    os.mkdir(path, 0o700)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def launcher_never_started(returncode: int | None, output: str, rank_output: str = "") -> bool:
