@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reverse", action="store_true",
                         help="run each file's tests last to first: a second run started beside "
                              "a long one meets it halfway (--report-only then merges both)")
-    parser.add_argument("--partitions", type=int, default=runner.CONFIG["partitions"],
+    parser.add_argument("--partitions", type=int, default=runner.DEFAULT_PARTITIONS,
                         help="pipeline stages per model (default: %(default)s); 1 runs every "
                              "model, one-layer ones included, as 2 data-parallel replicas")
     parser.add_argument("--report-only", action="store_true",
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 def _partial(args: argparse.Namespace) -> bool:
     """Whether the run judges less than, or other than, the whole default set."""
     return (args.files != list(runner.DEFAULT_FILES) or args.keyword is not None
-            or args.reverse or args.partitions != runner.CONFIG["partitions"])
+            or args.reverse or args.partitions != runner.DEFAULT_PARTITIONS)
 
 
 def _outputs(args: argparse.Namespace, partial: bool) -> tuple[str | None, str | None]:
