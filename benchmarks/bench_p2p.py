@@ -171,15 +171,21 @@ def _transfer_executor(group: Any, floats: int, k: int, executor_module: Any = N
             self.step_state.produced = produced
             self.step_state.grad_out = grad_out
 
-        def _recv_forward(self, a: Action) -> None:
-            super()._recv_forward(a)
-            if not keep:
-                del self.step_state.received[(a.stage, a.microbatch)]
+        def _handler(self, a: Action) -> Any:
+            """The runtime's own handler (for one boundary, its message handler: [Note:
+            message handlers] in executor.py); unless ``keep``, a receive first drops what the
+            stream's previous receive took, as the FORWARD or BACKWARD between them would
+            have consumed it (before the wait, so off the transfer's critical path)."""
+            handler = super()._handler(a)
+            if keep or a.op not in (Op.RECV_F, Op.RECV_B):
+                return handler
+            backward = a.op is Op.RECV_B
 
-        def _recv_backward(self, a: Action) -> None:
-            super()._recv_backward(a)
-            if not keep:
-                del self.step_state.grad_in[(a.stage, a.microbatch)]
+            def consumed_then(a: Action) -> None:
+                (self._now.grad_in if backward else self._now.received).clear()
+                handler(a)
+
+            return consumed_then
 
         def step(self) -> float:
             start = time.perf_counter()

@@ -15,7 +15,7 @@ from tfsmp.errors import CommError
 if TYPE_CHECKING:
     from tfsmp.topology import Topology
 
-__all__ = ["SPIN", "MpiGroup", "MpiRequest", "create_mpi_comm", "mpi", "spin_seconds", "world_size"]
+__all__ = ["SHARED_SPIN", "SPIN", "MpiGroup", "MpiRequest", "create_mpi_comm", "mpi", "spin_seconds", "world_size"]
 
 
 def mpi() -> Any:
@@ -44,25 +44,32 @@ _TESTALL: Any = None
 def spin_seconds(environ: Mapping[str, str] | None = None, cpus: int | None = None,
                  affinity: int | None = None) -> float:
     """How long a wait of this process polls without pausing ([Note: polling] in
-    tfsmp/runtime/executor.py): `SPIN` when this rank is pinned to cores of its own, else 0.
+    tfsmp/runtime/executor.py): `SPIN` when this rank is pinned to cores of its own,
+    `SHARED_SPIN` when it is not pinned but this host has a core for each of its ranks, else 0.
 
     Pinned (``mpirun --bind-to core``) means its CPU affinity times this host's ranks fits
     in the host's CPUs, so no other rank of the job shares its cores. Unpinned ranks (tfsmp's
     launcher passes ``--bind-to none``) may share a core with the very peer they wait for
-    whenever the host is busy, and a spin then burns the time the peer needs. The ranks per
-    host come from the launcher's environment (Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``,
-    MPICH's ``MPI_LOCALNRANKS``); unknown counts as sharing, the cautious side."""
+    whenever the host is busy, and a long spin then burns the time the peer needs; a short one
+    costs the peer at most `SHARED_SPIN` per wait and catches a message that is already on its
+    way. More ranks than cores (``--oversubscribe``) always share, and do not spin. The ranks
+    per host come from the launcher's environment (Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``,
+    MPICH's ``MPI_LOCALNRANKS``); unknown counts as oversubscribed, the cautious side."""
     env = os.environ if environ is None else environ
     local = env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or env.get("MPI_LOCALNRANKS")
     cores = (os.cpu_count() or 1) if cpus is None else cpus
     mine = len(os.sched_getaffinity(0)) if affinity is None else affinity
     try:
-        return SPIN if local is not None and 0 < int(local) * mine <= cores else 0.0
+        ranks = int(local) if local is not None else 0
     except ValueError:
+        ranks = 0
+    if not 0 < ranks <= cores:
         return 0.0
+    return SPIN if ranks * mine <= cores else SHARED_SPIN
 
 
 SPIN = 0.01  # covers a 16 MB transfer (~1 ms here) several times over, busy host included
+SHARED_SPIN = 1e-4  # a 256 KB round trip (~45 us here) twice over: [Note: polling]
 
 
 class MpiRequest:

@@ -53,17 +53,25 @@ def host_view(t: tf.Tensor, dtype: np.dtype[Any] | None = None) -> np.ndarray:
     return arr
 
 
-def send_view(t: tf.Tensor, dtype: np.dtype[Any]) -> memoryview | np.ndarray:
-    """What a send hands MPI for ``t``: the tensor's own memoryview when it describes ``dtype``
-    contiguously (MPI reads any buffer; the view keeps the tensor alive, as `host_view`'s array
-    does), else `host_view` (half a microsecond more: the array over the view and its checks)."""
+def send_view(t: tf.Tensor, dtype: np.dtype[Any]) -> np.ndarray:
+    """What a send hands MPI for ``t``: an array over the tensor's own memory when it holds
+    ``dtype`` contiguously, else `host_view`.
+
+    [Note: send views] A CPU EagerTensor's ``_numpy()`` is an array over the tensor's buffer,
+    not a copy (``numpy()`` copies what ``_numpy()`` returns), whose base keeps the buffer
+    alive while MPI reads it. Measured in one process (2026-12-06): made and released in
+    0.50 us, against 1.07 us for a memoryview (the tensor exports its buffer through a second
+    protocol) and about 1.6 us for `host_view`'s array over that view. A send's view is made
+    between a message's arrival and the next send ([Note: message handlers] in executor.py),
+    so the difference is on a transfer's critical path. Tensors on other devices, and any that
+    ``_numpy()`` does not give as such an array, take `host_view`."""
     try:
-        view = memoryview(t)
-    except (TypeError, ValueError, NotImplementedError):
+        arr = t._numpy()  # noqa: SLF001 (TensorFlow's EagerTensor: [Note: send views])
+    except (AttributeError, TypeError, ValueError, NotImplementedError):
         return host_view(t, dtype)
-    if view.format != dtype.char or not view.c_contiguous:
+    if type(arr) is not np.ndarray or arr.dtype != dtype or not arr.flags.c_contiguous:
         return host_view(t, dtype)
-    return view
+    return arr
 
 
 _ALIGN = 64  # TensorFlow's CPU allocator alignment (EIGEN_MAX_ALIGN_BYTES)

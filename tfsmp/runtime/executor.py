@@ -21,7 +21,10 @@ whose receives are satisfiable in order cannot deadlock, which is what the sched
 checks.
 
 [Note: receives ahead] A step posts, per message stream (the boundary tensors between one pair
-of stages in one direction), the receive of its first microbatch, and once the receive of
+of stages in one direction), the receive of its first microbatch at its first wait (not when
+the step starts: a rank whose step starts with a send would post them before it, on every
+transfer's critical path; measured in the transfer benchmark, 2026-12-06: 7 us of a
+16-round-trip step's 0.85 ms at 256 KB), and once the receive of
 microbatch i is in, the stream's next one is posted at the rank's next wait (the next receive
 action's, before it waits, whichever stream that is), so while the rank waits for another
 stream (a backward's gradients, say) the message of microbatch i + 1 can already land. A stream
@@ -215,7 +218,8 @@ class _Step:
     produced: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
     grad_in: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
     grad_out: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
-    sends: list[tuple[Request, np.ndarray | memoryview]] = field(default_factory=list)
+    sends: list[Request] = field(default_factory=list)  # this step's sends, in flight or done
+    sent: list[np.ndarray] = field(default_factory=list)  # what they send, alive until done
     deferred: list[tuple[int, int]] = field(default_factory=list)  # [Note: drain split]
 
 
@@ -329,13 +333,18 @@ class Executor:
         `Group.spin` seconds a wait polls without pause, as MPI's own blocking wait does; then,
         up to 50 ms, it yields the core between tests, and longer waits back off to 1 ms
         sleeps, so an idle rank does not starve a computing one on an oversubscribed host.
-        The spin is 10 ms for a rank pinned to cores of its own and 0 otherwise
+        The spin is 10 ms for a rank pinned to cores of its own, 100 us (`SHARED_SPIN`) for an
+        unpinned one on a host with a core per rank, and 0 on an oversubscribed host
         (`tfsmp.comm.mpi.spin_seconds`). Measured on this 2-core host while other jobs kept it
         busy (load 10-12), the transfer benchmark's 2 ranks: pinned to a core each, yielding
         between tests made a 256 KB ping-pong 6-25x slower than spinning (the scheduler runs
         another process before the next test); unpinned (``--bind-to none``, as tfsmp's
-        launcher and the benchmarks run), spinning was 1.2-40x slower than yielding at every
-        size from 256 KB to 16 MB, the two ranks taking turns on one core. A blocking
+        launcher and the benchmarks run), spinning 10 ms was 1.2-40x slower than yielding at
+        every size from 256 KB to 16 MB, the two ranks taking turns on one core. A 100 us spin
+        bounds what a wait can take from a peer on its core, and still catches a message
+        already on its way: with four busy processes beside the 2 ranks (2026-12-06), a 256 KB
+        round trip took 59.5 us after it against 197 us yielding from the first test, and the
+        same on a quiet host (55-56 us both). A blocking
         ``Waitall`` would save no time over the spin and could neither back off nor let the
         watchdog's table show the wait. The watchdog hears of a wait only once it leaves the
         yield phase: the executor times its stalls itself, a table of a 50 ms wait would say
@@ -417,8 +426,10 @@ class Executor:
             else:
                 handler(action)
         self.current = "waiting for sends"
-        self._wait([r for r, _ in step.sends], "sends to complete")
-        step.sends.clear()
+        if step.sends:
+            self._wait(step.sends, "sends to complete")
+            step.sends.clear()
+            step.sent.clear()
         if dog is not None:
             dog.step_end()
         if mode.train:  # stages without REDUCE or STEP actions (collect mode) report here
@@ -427,11 +438,92 @@ class Executor:
         return step.result
 
     def _handlers(self) -> list[tuple[Action, Callable[[Action], None]]]:
-        """Each action with its handler, looked up once per executor: an `Op` hashes in Python,
-        which a dispatch per action would pay each step ([Note: message plan])."""
+        """Each action with its handler, looked up once per executor (after the receives are
+        planned): an `Op` hashes in Python, which a dispatch per action would pay each step, and
+        a message of one boundary gets a handler of its own ([Note: message handlers])."""
         if self._bound[0] is not self.actions:
-            self._bound = (self.actions, [(a, self._dispatch[a.op]) for a in self.actions])
+            self._bound = (self.actions, [(a, self._handler(a)) for a in self.actions])
         return self._bound[1]
+
+    def _handler(self, a: Action) -> Callable[[Action], None]:
+        """``a``'s handler: the dispatch table's, or for a message of one boundary to or from
+        another rank, one made for it.
+
+        [Note: message handlers] Between a message's arrival and the next send the executor's
+        own Python is on the critical path of every transfer, twice per round trip (measured in
+        the transfer benchmark's 256 KB ping-pong, 2026-12-06: 3.3 us from a receive's wait
+        returning to the next ``Isend`` on each rank, against 1.2 us for a raw non-blocking
+        ping-pong). So each send or receive of one boundary tensor (not wired, static shapes:
+        `_Send.single`, `_Receive.single`) gets a closure holding everything its message plan
+        fixes (keys, peer, tag, type), which does what `_send_forward`/`_send_backward` and
+        `_collect` with `_recv_forward`/`_recv_backward` do for it, without their lookups and
+        calls. A subclass that overrides one of those handlers keeps it (the tests' transfer
+        executors do)."""
+        op = a.op
+        if op is Op.SEND_F or op is Op.SEND_B:
+            backward = op is Op.SEND_B
+            if self._inherited("_send_backward" if backward else "_send_forward"):
+                s = self._send_plan(a)
+                if s.single:
+                    return self._single_send(s, a.stage, backward)
+        elif op is Op.RECV_F or op is Op.RECV_B:
+            backward = op is Op.RECV_B
+            r = self._by_action.get(id(a))
+            if (r is not None and r.single and self.shapes is None
+                    and self._inherited("_recv_backward" if backward else "_recv_forward")):
+                return self._single_receive(r, a.stage, backward)
+        return self._dispatch[op]
+
+    def _inherited(self, handler: str) -> bool:
+        """Whether this executor's class runs `Executor`'s own ``handler`` (no override)."""
+        return getattr(type(self), handler) is getattr(Executor, handler)
+
+    def _single_send(self, s: _Send, stage: int, backward: bool) -> Callable[[Action], None]:
+        """The handler of a send of one boundary to another rank ([Note: message handlers]):
+        `_transmit`'s common case."""
+        key, index, dest, tag, dtype = (stage, s.microbatch), s.indices[0], s.dest, s.tags[0], s.dtypes[0]
+        isend = self._isend
+
+        def send(a: Action) -> None:
+            step = self._now
+            view = send_view((step.grad_out if backward else step.produced)[key][index], dtype)
+            step.sends.append(isend(view, dest, tag))
+            step.sent.append(view)
+
+        return send
+
+    def _single_receive(self, r: _Receive, stage: int, backward: bool
+                        ) -> Callable[[Action], None]:
+        """The handler of a receive of one boundary from another rank ([Note: message
+        handlers]): `_collect`'s common case, then `_recv_forward`'s or `_recv_backward`'s."""
+        key, index, text, slot = r.key, r.boundaries[0].index, r.text, (stage, r.microbatch)
+        after = r.queue[r.position + 1] if r.position + 1 < len(r.queue) else None
+        wait = self._wait
+
+        def receive(a: Action) -> None:
+            step = self._now
+            if step.due:
+                self._post_due()
+            pending = step.posted.pop(key, None)
+            if pending is None:  # posted above in a step that runs its receives in order
+                self._post_ahead(r)
+                pending = step.posted.pop(key)
+            if after is not None:  # posted at the next wait, not this one's
+                step.due.append(after)
+            requests = pending.requests
+            if not requests[0].test():
+                wait(requests, text)
+            t = pending.tensors[0]
+            into = step.grad_in if backward else step.received
+            got = into.get(slot)
+            if got is None:
+                into[slot] = {index: t}
+            elif backward and index in got:  # gradients from several consumers add up
+                got[index] = got[index] + t
+            else:
+                got[index] = t
+
+        return receive
 
     def _drain_plan(self) -> dict[int, frozenset[int]]:
         """Per stage of this rank that has no W actions but sends gradients to another rank:
@@ -486,12 +578,12 @@ class Executor:
             raise StepError(f"{self.rank_tag} {e}".strip()) from e
 
     def _post_receives(self) -> None:
-        """Posts the first receives of every stream ([Note: receives ahead])."""
+        """Makes the first receive of every stream due at the step's first wait ([Note:
+        receives ahead])."""
         if self._receives is None:
             self._receives = self._plan_receives()
         self.pool.begin_step()
-        for queue in self._queues:
-            self._post_ahead(queue[0])
+        self._now.due.extend(queue[0] for queue in self._queues)
 
     def _post_due(self) -> None:
         """Posts the receives due at this wait: each stream's next, once its previous is in
@@ -605,7 +697,8 @@ class Executor:
         (`send_view`, `host_view`)."""
         if s.single:  # one boundary, sent as it is: the common case, without the lists
             buf = send_view(out[s.indices[0]], s.dtypes[0])
-            self._now.sends.append((self._isend(buf, s.dest, s.tags[0]), buf))
+            self._now.sends.append(self._isend(buf, s.dest, s.tags[0]))
+            self._now.sent.append(buf)
             return
         tensors = [out[i] for i in s.indices]
         if s.mailbox is not None:
@@ -615,10 +708,11 @@ class Executor:
             for b, t in zip(s.boundaries, tensors):
                 if is_dynamic(b.shape):
                     self._send_header(b, t, s.peer, s.microbatch, s.consumer)
-        isend, sends, dest = self._isend, self._now.sends, s.dest
+        isend, sends, sent, dest = self._isend, self._now.sends, self._now.sent, s.dest
         for t, tag, dtype in zip(tensors, s.tags, s.dtypes):
             buf = wire(host_view(t, dtype)) if s.wired else host_view(t, dtype)
-            sends.append((isend(buf, dest, tag), buf))
+            sends.append(isend(buf, dest, tag))
+            sent.append(buf)
 
     def _send_header(self, b: Boundary, t: tf.Tensor, peer: int, mb: int, consumer: int) -> None:
         """Checks a dynamic tensor against its resolved shape and sends that shape ahead."""
@@ -633,7 +727,8 @@ class Executor:
         header = np.asarray(want, dtype=np.int64)
         req = self.group.isend(header, self._rank(peer),
                                self._header_base + self._tag(b, consumer, mb, False))
-        self._now.sends.append((req, header))
+        self._now.sends.append(req)
+        self._now.sent.append(header)
 
     def _collect(self, a: Action) -> tuple[list[Boundary], list[tf.Tensor]]:
         """What the receive ``a`` (RECV_F or RECV_B) takes: its boundaries and tensors.
