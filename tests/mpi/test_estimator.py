@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -38,14 +39,14 @@ ISSUE_DIST = {"smdistributed": {"modelparallel": {"enabled": True, "parameters":
     "mpi": {"enabled": True, "processes_per_host": 4}}
 
 SHOW_ENV = '''
-import json, os, sys
+import json, os, sys, tempfile
 from mpi4py import MPI
 rank = MPI.COMM_WORLD.rank
 keys = ["SM_CURRENT_HOST", "SM_HOSTS", "SM_HP_MP_PARAMETERS", "SM_HP_EPOCHS", "SM_NUM_GPUS",
         "SM_CHANNEL_TRAINING", "SM_MODEL_DIR", "SAGEMAKER_BASE_DIR", "TFSMP_CHECKPOINT_DIR",
         "TFSMP_CONFIG", "SM_CHANNEL_STALE"]
 record = {k: os.environ.get(k) for k in keys}
-record.update(rank=rank, argv=sys.argv[1:], cwd=os.getcwd(),
+record.update(rank=rank, argv=sys.argv[1:], cwd=os.getcwd(), tmp=tempfile.gettempdir(),
               files=sorted(os.listdir(os.environ["SM_CHANNEL_TRAINING"])))
 print("RECORD " + json.dumps(record), flush=True)
 if rank == 0:
@@ -151,6 +152,10 @@ def test_a_failed_rank_raises_with_its_error(tmp_path: Path) -> None:
     assert 'ErrorMessage "[rank 2] ValueError: boom on rank 2"' in failure
     assert est.model_data is None
     assert "launching the job again" not in est.logs()  # a rank ran: never relaunched
+    # the job's temp folder, as a container's /tmp, is gone with it ([Note: a job's temp folder])
+    temps = {json.loads(m)["tmp"] for m in re.findall(r"RECORD (\{.*\})$", est.logs(), re.M)}
+    assert len(temps) == 1 and Path(next(iter(temps))).name.startswith("tfsmp-tmp."), temps
+    assert not Path(next(iter(temps))).exists()
 
 
 def test_max_run_stops_the_job_and_keeps_the_model(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from tfsmp.estimator.layout import archive_dir, write_json
 from tfsmp.estimator.plan import JobPlan
 from tfsmp.launch import ownjob
 from tfsmp.launch import sagemaker as sm
-from tfsmp.launch.mpirun import fresh_session, launcher_never_started
+from tfsmp.launch.mpirun import fresh_session, job_tmpdir, launcher_never_started
 from tfsmp.launch.output import OutputFilter, tf_logs_wanted
 
 __all__ = ["LocalTrainingJob", "UnexpectedStatusException"]
@@ -134,6 +134,9 @@ class LocalTrainingJob:
     attempt: int = 0
     _attempt_env: dict[str, str] = field(default_factory=dict, repr=False)
     _previous: Any = None
+    # each launch's temp folder, removed once its processes are gone ([Note: a job's temp
+    # folder] in tfsmp/launch/mpirun.py; a SageMaker container's /tmp ends with the container)
+    _temps: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     @property
     def job_name(self) -> str:
@@ -176,9 +179,12 @@ class LocalTrainingJob:
         tags = [f"[{host}] " for host in self.plan.hosts] if not self.plan.mpi and \
             len(self.plan.commands) > 1 else [""] * len(self.plan.commands)
         for argv, extra, tag in zip(self.plan.commands, self.plan.host_env, tags):
+            across = bool(self.plan.host_paths)  # other machines' ranks keep their own
+            temp = ({} if across or "TMPDIR" in extra
+                    else {"TMPDIR": self._temps.enter_context(job_tmpdir())})
             proc = subprocess.Popen(
                 fresh_session(argv), cwd=self.plan.paths.code, env={**self.plan.env, **extra,
-                                                     **self._attempt_env}, text=True,
+                                                     **self._attempt_env, **temp}, text=True,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                 errors="replace")
             self._procs.append(proc)
@@ -240,6 +246,7 @@ class LocalTrainingJob:
             self.stop()
             for proc in self._procs:
                 ownjob.sweep(proc.pid)
+            self._temps.close()
             self._finish("Stopped", "Stopped")
             if isinstance(e, _StopSignal):
                 raise SystemExit(128 + e.signum) from None
@@ -251,6 +258,7 @@ class LocalTrainingJob:
         codes = [p.wait() for p in self._procs]
         for proc in self._procs:  # what a job leaves behind does not outlive it
             ownjob.sweep(proc.pid)
+        self._temps.close()
         self.returncode = next((c for c in codes if c != 0), 0)
         if self._relaunch() or self._retry():
             self.wait(logs)
