@@ -6,6 +6,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -271,3 +272,34 @@ def test_a_job_temp_folder_is_private_named_after_its_launcher_and_removed_with_
     with pytest.raises(RuntimeError), job_tmpdir(str(tmp_path)) as job:  # a failed launch too
         raise RuntimeError("launch failed")
     assert not Path(job).exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_shared_memory_segment_no_process_maps_is_swept_and_a_mapped_one_kept(
+        tmp_path: Path) -> None:
+    import mmap
+    import socket
+
+    from tfsmp.launch.mpirun import SHM_MIN_AGE, sweep_stale_shm
+
+    prefix = f"sm_segment.{socket.gethostname()}.{os.getuid()}."
+    now = time.time()
+    old = now - SHM_MIN_AGE - 60
+
+    def segment(name: str, mtime: float) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"\0" * 4096)
+        os.utime(path, (mtime, mtime))
+        return path
+
+    stale = segment(prefix + "18ec0001.0", old)             # a killed job's
+    young = segment(prefix + "18ec0002.0", now)             # a job still starting may map it
+    other = segment("sm_segment.otherhost.0.18ec0001.0", old)  # another host's name: not ours
+    live = segment(prefix + "18ec0003.1", old)              # mapped by a running process
+    (tmp_path / (prefix + "dir")).mkdir()
+    os.utime(tmp_path / (prefix + "dir"), (old, old))
+    with open(live, "r+b") as f, mmap.mmap(f.fileno(), 4096) as mapped:
+        assert mapped[0] == 0
+        assert sweep_stale_shm(str(tmp_path)) == 1
+    assert not stale.exists()
+    assert young.exists() and other.exists() and live.exists() and (tmp_path / (prefix + "dir")).exists()
+    assert sweep_stale_shm(str(tmp_path)) == 1 and not live.exists()  # unmapped now
