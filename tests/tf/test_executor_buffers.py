@@ -273,8 +273,11 @@ def test_a_wait_spins_long_only_on_a_rank_pinned_to_cores_of_its_own() -> None:
 
     assert 0 < SHARED_SPIN < SPIN / 50  # a shared core's spin costs its peer little
     two = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    one_thread = {**two, "TF_NUM_INTRAOP_THREADS": "1"}
     assert spin_seconds(two, cpus=2, affinity=1) == SPIN  # --bind-to core: a core each
-    assert spin_seconds(two, cpus=2, affinity=2) == SHARED_SPIN  # --bind-to none: may share
+    assert spin_seconds(one_thread, cpus=2, affinity=2) == SHARED_SPIN  # --bind-to none: share
+    assert spin_seconds(two, cpus=2, affinity=2) == 0.0  # TensorFlow may use every core
+    assert spin_seconds({**two, "TF_NUM_INTRAOP_THREADS": "2"}, cpus=2, affinity=2) == 0.0
     assert spin_seconds({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, cpus=2, affinity=1) == 0.0  # over
     assert spin_seconds({"OMPI_COMM_WORLD_LOCAL_SIZE": "x"}, cpus=2, affinity=1) == 0.0
     assert spin_seconds({"MPI_LOCALNRANKS": "2"}, cpus=4, affinity=2) == SPIN

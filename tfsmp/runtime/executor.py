@@ -334,8 +334,8 @@ class Executor:
         up to 50 ms, it yields the core between tests, and longer waits back off to 1 ms
         sleeps, so an idle rank does not starve a computing one on an oversubscribed host.
         The spin is 10 ms for a rank pinned to cores of its own, 100 us (`SHARED_SPIN`) for an
-        unpinned one on a host with a core per rank, and 0 on an oversubscribed host
-        (`tfsmp.comm.mpi.spin_seconds`). Measured on this 2-core host while other jobs kept it
+        unpinned one on a host with a core per compute thread of every rank (one-thread ranks,
+        as the benchmarks run), and 0 otherwise (`tfsmp.comm.mpi.spin_seconds`). Measured on this 2-core host while other jobs kept it
         busy (load 10-12), the transfer benchmark's 2 ranks: pinned to a core each, yielding
         between tests made a 256 KB ping-pong 6-25x slower than spinning (the scheduler runs
         another process before the next test); unpinned (``--bind-to none``, as tfsmp's
