@@ -245,8 +245,22 @@ def test_sweep_removes_dead_launchers_session_folders_and_keeps_live_ones(
     (tmp_path / f"tfsmp-tmp.{top + 5}.0a1b").mkdir()
     (tmp_path / f"tfsmp-tmp.{top + 5}.0a1b" / "__autograph_generated_fileq.py").write_text("")
     (tmp_path / f"tfsmp-tmp.{os.getpid()}.77ff").mkdir()
+    # a dead launcher's pid now a live thread's id: /proc/<id> exists, yet no process has it
+    import threading
+    release, ids = threading.Event(), []
+    thread = threading.Thread(target=lambda: (ids.append(threading.get_native_id()),
+                                              release.wait(10)))
+    thread.start()
+    while not ids:
+        time.sleep(0.01)
+    (tmp_path / f"ompi.{ids[0]}").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    assert sweep_stale_sessions() == 4
+    try:
+        assert os.path.exists(f"/proc/{ids[0]}")
+        assert sweep_stale_sessions() == 5
+    finally:
+        release.set()
+        thread.join()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"ompi.{os.getpid()}", "ompi.notapid", f"ompi.{top + 9}",
          f"tfsmp-tmp.{os.getpid()}.77ff"])

@@ -106,7 +106,7 @@ def sweep_stale_sessions() -> int:
     with os.scandir(tmp) as entries:
         for entry in entries:
             pid = _owner_pid(entry.name)
-            if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            if not pid.isdigit() or _process_exists(pid):
                 continue
             try:
                 if entry.is_dir(follow_symlinks=False) and entry.stat().st_uid == me:
@@ -115,6 +115,23 @@ def sweep_stale_sessions() -> int:
             except OSError:  # gone meanwhile (another sweep)
                 continue
     return removed
+
+
+def _process_exists(pid: str) -> bool:
+    """Whether a process (not merely a thread) has this pid.
+
+    ``/proc/<id>`` exists for every live thread id too, though ``/proc`` lists only processes,
+    and thread ids come from the same counter: a launcher's pid reused by some TensorFlow
+    thread kept its dead launcher's folders from being swept (seen after a test run,
+    2026-12-06). A thread's ``Tgid`` is its process's pid, not its own id."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return line.split()[1] == pid
+    except OSError:
+        return False
+    return True
 
 
 SHM_DIR = "/dev/shm"  # Open MPI's btl_sm_backing_directory on Linux
