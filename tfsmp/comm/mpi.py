@@ -54,10 +54,11 @@ def spin_seconds(environ: Mapping[str, str] | None = None, cpus: int | None = No
     whenever the host is busy, and a long spin then burns the time the peer needs; a short one
     costs the peer at most `SHARED_SPIN` per wait and catches a message that is already on its
     way. A rank whose TensorFlow may use every core (no ``TF_NUM_INTRAOP_THREADS``, the
-    default) would take that time from a computing peer's own threads (one A/B of a 2-rank
-    test file on 2 cores with TensorFlow's default threads: 50.1 s with the short spin, 47.4 s
-    without; 2026-12-06), so it spins only where ranks times their threads fit the host's
-    cores (as the benchmarks' one-thread ranks do). More ranks than cores (``--oversubscribe``) never spin.
+    default) would take that time from a computing peer's own threads, so it spins only where
+    ranks times their threads fit the host's cores (as the benchmarks' and the tests'
+    one-thread ranks do). More ranks than cores (``--oversubscribe``) never spin. (One A/B of a
+    test file of 2- and 4-rank jobs on 2 cores, one run each, took 50.1 s with a first version
+    that also spun there against 47.4 s without, 2026-12-06: a hint, not a measurement.)
     The ranks per host come from the launcher's environment (Open MPI's
     ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH's ``MPI_LOCALNRANKS``); unknown counts as
     oversubscribed, the cautious side."""
