@@ -317,3 +317,12 @@ def test_a_shared_memory_segment_no_process_maps_is_swept_and_a_mapped_one_kept(
     assert not stale.exists()
     assert young.exists() and other.exists() and live.exists() and (tmp_path / (prefix + "dir")).exists()
     assert sweep_stale_shm(str(tmp_path)) == 1 and not live.exists()  # unmapped now
+
+
+def test_every_launch_sweeps_stale_shared_memory_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tfsmp.launch import mpirun
+
+    calls: list[str] = []
+    monkeypatch.setattr(mpirun, "sweep_stale_shm", lambda: calls.append("shm") or 0)
+    assert mpirun.fresh_session(["mpirun", "true"])[0] == "/bin/sh"
+    assert calls == ["shm"]

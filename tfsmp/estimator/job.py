@@ -178,8 +178,8 @@ class LocalTrainingJob:
                       f"{1 + self.max_retry_attempts}", log)
         tags = [f"[{host}] " for host in self.plan.hosts] if not self.plan.mpi and \
             len(self.plan.commands) > 1 else [""] * len(self.plan.commands)
+        across = bool(self.plan.host_paths)  # other machines' ranks keep their own temp folders
         for argv, extra, tag in zip(self.plan.commands, self.plan.host_env, tags):
-            across = bool(self.plan.host_paths)  # other machines' ranks keep their own
             temp = ({} if across or "TMPDIR" in extra
                     else {"TMPDIR": self._temps.enter_context(job_tmpdir())})
             proc = subprocess.Popen(

@@ -78,11 +78,13 @@ def fresh_session(argv: Sequence[str]) -> list[str]:
 
     The command keeps its pid (``exec``), so signals and waits reach it unchanged; see
     [Note: launcher start-up failures]. Harmless for commands that are not mpirun. Also sweeps
-    the folders dead launchers left (`sweep_stale_sessions`).
+    the folders dead launchers left (`sweep_stale_sessions`) and the shared-memory segments
+    killed ranks left (`sweep_stale_shm`).
     """
     if os.name != "posix" or not os.path.exists("/bin/sh"):
         return list(argv)
     sweep_stale_sessions()
+    sweep_stale_shm()
     return ["/bin/sh", "-c", _FRESH_SESSION, "tfsmp-fresh-session", *argv]
 
 
@@ -91,7 +93,7 @@ def sweep_stale_sessions() -> int:
     whose launcher no longer exists.
 
     A killed launcher's folder stays in the temp folder for ever (dozens after a day of test
-    runs here); its pid has no process (no ``/proc/PID``), so no launcher can be using it. A
+    runs here); no process has its pid (`_process_exists`), so no launcher can be using it. A
     folder whose pid is alive is kept, whatever that process is. Without ``/proc`` nothing is
     swept.
 
@@ -101,7 +103,6 @@ def sweep_stale_sessions() -> int:
     tmp = os.environ.get("TMPDIR") or os.environ.get("TEMP") or os.environ.get("TMP") or "/tmp"
     if not os.path.isdir("/proc/self") or not os.path.isdir(tmp):
         return 0
-    sweep_stale_shm()
     removed, me = 0, os.getuid()
     with os.scandir(tmp) as entries:
         for entry in entries:
