@@ -35,14 +35,19 @@ def results() -> Iterator[dict[tuple[str, str], dict]]:
         pytest.skip(f"no memory cgroups here: {e}")
     from benchmarks.bench_memory_model import compare
 
-    # the ranks run as users' do, with oneDNN's allocator (tests/conftest.py turns it off)
-    saved = os.environ.pop("TF_ENABLE_ONEDNN_OPTS", None)
+    # the ranks run with oneDNN's allocator, as the model was measured (tests/conftest.py turns
+    # it off). Said explicitly: TensorFlow's default depends on the CPU (on this AMD EPYC host it
+    # is off, and then the CPU allocator keeps no stats: `get_memory_info` raises)
+    saved = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+    os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"
     try:
         args = {"partitions": 2, "microbatches": 4, "optimize": "memory", "steps": 2}
         yield {(m, p): compare(m, p.split(":")[0], {**args, "shard": p.endswith(":sharded")})
                for m, p in CASES}
     finally:
-        if saved is not None:
+        if saved is None:
+            del os.environ["TF_ENABLE_ONEDNN_OPTS"]
+        else:
             os.environ["TF_ENABLE_ONEDNN_OPTS"] = saved
 
 

@@ -76,20 +76,25 @@ def run(which: str) -> None:
     if which == "held":
         shape = (256, 1024)
         a, b = np.full(shape, 1.5, np.float32), np.full(shape, -2.0, np.float32)
-        if rank == 0:
+        if rank == 0:  # each message sent before rank 1 waits for it: the sender's own slots
             out = ch.outbox(1)
             out.send(tf.constant(a)._numpy(), 1)
+            comm.barrier()  # sent
             comm.barrier()  # rank 1 holds message 1
             out.send(tf.constant(b)._numpy(), 2)
+            comm.barrier()  # sent
             comm.barrier()  # rank 1 dropped both and reclaimed them
             for k in range(3, 9):
                 out.send(tf.constant(a + k)._numpy(), k)
+                comm.send(None, dest=1, tag=k)  # sent
                 comm.recv(source=1, tag=k)  # rank 1 took it and dropped it
             comm.send(len(out.slots[a.nbytes]), dest=1)
         else:
             inbox = ch.inbox(0)
+            comm.barrier()
             t1 = receive(inbox, group, 1, shape)
             inbox.reclaim()  # t1 is held: its slot must stay full
+            comm.barrier()
             comm.barrier()
             t2 = receive(inbox, group, 2, shape)
             kept = np.array_equal(t1.numpy(), a) and np.array_equal(t2.numpy(), b)
@@ -101,6 +106,7 @@ def run(which: str) -> None:
             later = []
             for k in range(3, 9):
                 inbox.reclaim()
+                comm.recv(source=0, tag=k)
                 t = receive(inbox, group, k, shape)
                 later.append(bool(np.array_equal(t.numpy(), a + k)))
                 del t
@@ -113,17 +119,22 @@ def run(which: str) -> None:
         shape = (1024, 1024)  # 4 MiB
         xs = [np.full(shape, float(k), np.float32) for k in range(5)]
         if rank == 0:
-            went = []
+            went, reqs, keep = [], [], []
             for k, x in enumerate(xs):
                 view = tf.constant(x)._numpy()
                 ok = ch.outbox(1).send(view, k)
                 went.append(ok)
                 if not ok:  # as the executor does: by MPI
-                    isend(view, 1, k).wait()
+                    reqs.append(isend(view, 1, k))
+                    keep.append(view)
+            comm.barrier()  # all sent before rank 1 makes its receives
+            for r in reqs:
+                r.wait()
             comm.send(went, dest=1)
         else:
             inbox = ch.inbox(0)
             got = []
+            comm.barrier()
             irecv = group.p2p()[1]
             for k in range(5):
                 buf = np.empty(shape, np.float32)
