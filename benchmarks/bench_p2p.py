@@ -65,7 +65,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     from tfsmp.comm.mpi import MpiGroup
 
     comm = MPI.COMM_WORLD.Dup()
-    group = MpiGroup(comm, channels=True)  # as the pipeline group: [Note: shared-memory transfers]
+    group = MpiGroup(comm)
     rows = []
     for size in args["sizes"]:
         rows.append(_size(comm, group, size, args["round_trips"], args["rounds"]))

@@ -6,8 +6,7 @@ multi-output model, a model with a layer used twice, a small Transformer, and an
 whose sparse gradients go through Adam. Stages p ∈ {1, 2, 4}, microbatches m ∈ {1, 2, 4, 8},
 every pipeline (simple, interleaved, zb-h1, zb-v, looped-bfs), both `optimize` modes, 1 or 2 virtual
 stages per rank, data-parallel degree
-1, 2 and 4 (MPI and Horovod). Tolerance: rtol 1e-5, atol 1e-6 (float32). Every boundary message
-between ranks of these jobs goes through same-host shared memory (``TFSMP_SHM_MIN_BYTES=1``).
+1, 2 and 4 (MPI and Horovod). Tolerance: rtol 1e-5, atol 1e-6 (float32).
 """
 
 from __future__ import annotations
@@ -69,11 +68,7 @@ FOUR_RANKS_HOROVOD = [
 
 
 def _run(np: int, cases: list[str], timeout: float) -> dict[str, dict[int, dict]]:
-    # every boundary message through shared memory, however small ([Note: shared-memory
-    # transfers] in tfsmp/comm/shm.py; the other MPI test files keep the 2 MiB default, so their
-    # small messages go by MPI)
-    result = run_mpi(np, [str(SCRIPT), *cases], timeout=timeout,
-                     env={"TFSMP_SHM_MIN_BYTES": "1"})
+    result = run_mpi(np, [str(SCRIPT), *cases], timeout=timeout)
     out: dict[str, dict[int, dict]] = {}
     for line in result.stdout.splitlines():
         if "CASE {" in line:

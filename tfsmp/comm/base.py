@@ -58,9 +58,6 @@ class Group(abc.ABC):
 
     rank: int          # my index in the group
     size: int
-    # same-host shared-memory transfers for the executor's messages, where the backend has
-    # them (`tfsmp.comm.shm.Channels`: [Note: shared-memory transfers])
-    channels: Any = None
     ranks: list[int]   # global (world) ranks, in group order
     index: int = 7     # which of a Comm's groups (tfsmp.comm.calls.GROUP_NAMES); set by Comm
     calls: int = 0     # collective calls so far ([Note: who arrived] in tfsmp/comm/calls.py)

@@ -121,19 +121,13 @@ class MpiGroup(Group):
         group.allreduce_(np.ones(4))
     """
 
-    def __init__(self, comm: Any, *, channels: bool = False) -> None:
-        """``channels``: set up same-host shared-memory transfers for `p2p` (collective:
-        [Note: shared-memory transfers] in tfsmp/comm/shm.py); the pipeline group has them."""
+    def __init__(self, comm: Any) -> None:
         self.mpi_comm = comm
         self.rank = int(comm.Get_rank())
         self.size = int(comm.Get_size())
         world = mpi().COMM_WORLD
         self.ranks = [int(r) for r in comm.allgather(world.Get_rank())]
         self.spin = spin_seconds()
-        if channels:
-            from tfsmp.comm.shm import Channels
-
-            self.channels = Channels.create(comm)
 
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> MpiRequest:
         check_buffer(buf)
@@ -234,7 +228,7 @@ def create_mpi_comm(topology: Topology) -> Comm:
     tag_ub = world.Get_attr(MPI.TAG_UB)
     return Comm(
         backend="mpi",
-        world=MpiGroup(runtime_world), pipeline=MpiGroup(pipeline, channels=True), data=MpiGroup(data),
+        world=MpiGroup(runtime_world), pipeline=MpiGroup(pipeline), data=MpiGroup(data),
         user_world=MpiGroup(world.Dup()), user_pipeline=MpiGroup(pipeline.Dup()),
         user_data=MpiGroup(data.Dup()),
         local_rank=local_rank, local_size=local_size,

@@ -85,7 +85,6 @@ import numpy as np
 import tensorflow as tf
 
 from tfsmp.comm.base import Group, Request, testall
-from tfsmp.comm.shm import ShmReceive
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime import watchdog as wd
@@ -170,7 +169,6 @@ class _Receive:
     position: int = 0  # its index in ``queue``
     single: bool = False  # one boundary, aliased, not wired: `_post_ahead`'s common case
     text: str = ""  # what a stalled wait for it says
-    shm: bool = False  # through shared memory ([Note: shared-memory transfers] in comm/shm.py)
 
 
 @dataclass(frozen=True)
@@ -189,7 +187,6 @@ class _Send:
     microbatch: int
     consumer: int
     single: bool = False  # one boundary to another rank, not wired, no header: the common case
-    shm: bool = False  # through shared memory ([Note: shared-memory transfers] in comm/shm.py)
 
 
 @dataclass
@@ -291,16 +288,6 @@ class Executor:
         # the group's calls without per-call checks: a message's buffer (a pool ring's, or a
         # sent tensor's contiguous view) and peer rank come from its plan ([Note: message plan])
         self._isend, self._irecv = group.p2p()
-        self._channels = group.channels
-        self._messages: dict[tuple[bool, int], int] = {}  # (send?, peer rank) -> per step
-        for a in actions:
-            if a.op in (Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B):
-                backward, peer = a.op in (Op.SEND_B, Op.RECV_B), _peer(a)
-                producer, consumer = ((a.stage, peer) if a.op in (Op.SEND_F, Op.RECV_B)
-                                      else (peer, a.stage))
-                key = (a.op in (Op.SEND_F, Op.SEND_B), self._rank(peer))
-                self._messages[key] = (self._messages.get(key, 0)
-                                       + len(self._pair(producer, consumer, backward)))
         self._dispatch: dict[Op, Callable[[Action], None]] = {
             Op.FORWARD: self._forward, Op.BACKWARD: self._backward, Op.WEIGHT: self._weight,
             Op.SEND_F: self._send_forward, Op.RECV_F: self._recv_forward,
@@ -487,22 +474,6 @@ class Executor:
                 return self._single_receive(r, a.stage, backward)
         return self._dispatch[op]
 
-    def _shm(self, bs: list[Boundary], send: bool, peer_rank: int) -> bool:
-        """Whether a message of ``bs`` to or from ``peer_rank`` goes through shared memory
-        ([Note: shared-memory transfers] in tfsmp/comm/shm.py): one boundary of a type DLPack
-        carries, static shapes, a peer of this host with a channel, and at most half a log's
-        messages per step between the two (so the log never fills). Sender and receiver decide
-        alike from the same plan."""
-        from tfsmp.comm.shm import LOG_ENTRIES
-
-        ch = self._channels
-        if ch is None or self.shapes is not None or len(bs) != 1 or peer_rank == self.group.rank:
-            return False
-        index = bs[0].index
-        return bool(self.pool.dlpack[index] and not wired(self.pool.dtypes[index])
-                    and ch.usable(peer_rank)
-                    and self._messages.get((send, peer_rank), 0) <= LOG_ENTRIES // 2)
-
     def _inherited(self, handler: str) -> bool:
         """Whether this executor's class runs `Executor`'s own ``handler`` (no override)."""
         return getattr(type(self), handler) is getattr(Executor, handler)
@@ -512,17 +483,6 @@ class Executor:
         `_transmit`'s common case."""
         key, index, dest, tag, dtype = (stage, s.microbatch), s.indices[0], s.dest, s.tags[0], s.dtypes[0]
         isend = self._isend
-        if s.shm:
-            put, least = self._channels.outbox(dest).send, self._channels.min_bytes
-
-            def send_shm(a: Action) -> None:
-                step = self._now
-                view = send_view((step.grad_out if backward else step.produced)[key][index], dtype)
-                if view.nbytes < least or not put(view, tag):  # small, or no slot left: MPI
-                    step.sends.append(isend(view, dest, tag))
-                    step.sent.append(view)
-
-            return send_shm
 
         def send(a: Action) -> None:
             step = self._now
@@ -554,8 +514,6 @@ class Executor:
             if not requests[0].test():
                 wait(requests, text)
             t = pending.tensors[0]
-            if t is None:  # through shared memory: the request made it
-                t = requests[0].tensor  # type: ignore[attr-defined]
             into = step.grad_in if backward else step.received
             got = into.get(slot)
             if got is None:
@@ -647,12 +605,6 @@ class Executor:
         irecv, dynamic, posted = self._irecv, self.shapes is not None, self._now.posted
         buffer = self.pool.buffer
         for q in queue[done:end]:
-            if q.shm:  # [Note: shared-memory transfers]: nothing to post but the expectation
-                shape = self._shape(q.boundaries[0], q.microbatch)
-                if self.pool.dtypes[q.boundaries[0].index].itemsize * int(
-                        np.prod(shape, dtype=np.int64)) >= self._channels.min_bytes:
-                    posted[q.key] = self._shm_receive(q, shape)
-                    continue
             if q.single and not dynamic:  # without the lists' loops: a microsecond a message
                 b = q.boundaries[0]
                 buf = buffer(q.streams[0], b, self._shape(b, q.microbatch))
@@ -669,21 +621,6 @@ class Executor:
                                                not all(q.aliased))
             if dynamic and not q.backward:
                 self._post_headers(pending, q.src, q.consumer, q.microbatch)
-
-    def _shm_receive(self, q: _Receive, shape: tuple[int, ...]) -> _Pending:
-        """The pending receive of ``q`` (a message of ``shape``) through shared memory: its
-        tensor is the request's once in; if the sender had no slot left it sent by MPI, into a
-        buffer of the pool."""
-        inbox = self._channels.inbox(q.src)
-        inbox.reclaim()
-        b = q.boundaries[0]
-
-        def by_mpi() -> tuple[Request, tf.Tensor]:
-            buf = self.pool.buffer(q.streams[0], b, shape)
-            return self._irecv(buf, q.src, q.tags[0]), pool_tensor(buf, True)
-
-        req = ShmReceive(inbox, q.tags[0], shape, self.pool.dtypes[b.index], by_mpi)
-        return _Pending(q.boundaries, [], [req], [None], False)
 
     def _plan_receives(self) -> dict[int, _Receive]:
         """The step's receives from other ranks, by key, each in its stream's queue in schedule
@@ -708,8 +645,7 @@ class Executor:
                 any(wired(self.pool.dtypes[b.index]) for b in bs), queue, len(queue),
                 len(bs) == 1 and self.pool.dlpack[bs[0].index]
                 and not wired(self.pool.dtypes[bs[0].index]),
-                f"{'gradients' if backward else 'activations'} of microbatch {mb} from stage {peer}",
-                self._shm(bs, False, self._rank(peer)))
+                f"{'gradients' if backward else 'activations'} of microbatch {mb} from stage {peer}")
             queue.append(r)
             out[r.key] = self._by_action[id(a)] = r
         self._queues = list(queues.values())
@@ -752,8 +688,7 @@ class Executor:
                 bs, [b.index for b in bs], mailbox, self._rank(peer),
                 [self._tag(b, consumer, mb, backward) for b in bs],
                 [self.pool.dtypes[b.index] for b in bs], is_wired, headers, peer, mb, consumer,
-                len(bs) == 1 and not is_wired and mailbox is None and not headers,
-                mailbox is None and self._shm(bs, True, self._rank(peer)))
+                len(bs) == 1 and not is_wired and mailbox is None and not headers)
         return found
 
     def _transmit(self, s: _Send, out: dict[int, tf.Tensor]) -> None:
@@ -762,9 +697,6 @@ class Executor:
         (`send_view`, `host_view`)."""
         if s.single:  # one boundary, sent as it is: the common case, without the lists
             buf = send_view(out[s.indices[0]], s.dtypes[0])
-            if (s.shm and buf.nbytes >= self._channels.min_bytes
-                    and self._channels.outbox(s.dest).send(buf, s.tags[0])):
-                return
             self._now.sends.append(self._isend(buf, s.dest, s.tags[0]))
             self._now.sent.append(buf)
             return
@@ -824,8 +756,6 @@ class Executor:
         if r.position + 1 < len(r.queue):  # posted at the next wait, not this one's
             step.due.append(r.queue[r.position + 1])
         self._wait(pending.requests, r.text)
-        if r.shm and pending.tensors[0] is None:  # the request made it: shared memory
-            return pending.boundaries, [pending.requests[0].tensor]  # type: ignore[attr-defined]
         if not pending.copied:
             return pending.boundaries, pending.tensors
         tensor = self.pool.tensor  # pool buffers are aligned: `aligned_empty`
