@@ -76,9 +76,12 @@ def killed(ckpt_dir: Path) -> dict[str, Any]:
                                use_mpi4py_module=True, mpirun=find_mpirun())
     tmp = ckpt_dir / "kill" / "ckpt-2.tmp"
     pid_files = [ckpt_dir / "kill_pids" / f"rank{r}" for r in (0, 1)]
+    job_tmp = ckpt_dir / "kill_tmp"  # what the killed ranks leave (autograph's sources) goes here
+    job_tmp.mkdir(exist_ok=True)
     with open(ckpt_dir / "kill_job.log", "w") as log:
         proc = subprocess.Popen(fresh_session(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                env=base_env({"TFSMP_TEST_SLOW_SAVE": "2"}),
+                                env=base_env({"TFSMP_TEST_SLOW_SAVE": "2",
+                                              "TMPDIR": str(job_tmp)}),
                                 start_new_session=True)
         deadline = time.monotonic() + 150
         while _written(tmp) < 2 and proc.poll() is None and time.monotonic() < deadline:

@@ -71,7 +71,13 @@ def _wait_gone(marker: str, seconds: float) -> list[int]:
 
 
 def _start(launcher: list[str], mode: str, out: Path, marker: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([*launcher, str(JOB), mode, str(out), marker], env=base_env(),
+    # a temp folder inside the test's: the sources autograph writes and never deletes when a
+    # rank is killed stay there, not in /tmp ([Note: a job's temp folder] in
+    # tfsmp/launch/mpirun.py; horovodrun makes no job folder of its own)
+    tmp = out / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return subprocess.Popen([*launcher, str(JOB), mode, str(out), marker],
+                            env=base_env({"TMPDIR": str(tmp)}),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
