@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfsmp.comm.local import create_local_comms
 from tfsmp.partitioning.plan import Boundary, StagePlan
-from tfsmp.runtime.buffers import host_view, pool_tensor, send_view
+from tfsmp.runtime.buffers import direct_type, host_view, pool_tensor, send_buffer, send_view
 from tfsmp.runtime.executor import _AHEAD, Executor, MicroBatch, aligned_empty, as_tensor
 from tfsmp.runtime.hooks import StepMode
 from tfsmp.schedule.actions import Action, Op
@@ -181,6 +181,28 @@ def test_a_send_hands_mpi_the_tensor_s_own_memory_where_its_type_is_the_boundary
     np.testing.assert_array_equal(view, t.numpy())
     del t  # the array keeps the tensor's memory alive while a send may still read it
     np.testing.assert_array_equal(view, np.arange(12).reshape(3, 4).astype(want))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64", "uint8", "bool"])
+def test_a_send_hands_mpi_the_tensor_itself_where_its_type_is_the_boundary_s(dtype: str) -> None:
+    t = tf.constant(np.arange(12).reshape(3, 4), dtype=dtype)
+    want = np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
+    assert send_buffer(t, want, direct_type(want)) is t  # [Note: direct sends]
+    view = memoryview(t)  # what mpi4py takes from it: the tensor's own memory, its type
+    assert np.asarray(view).ctypes.data == _address(t) and np.asarray(view).dtype == want
+
+
+def test_a_send_takes_a_view_where_the_tensor_is_not_of_the_boundary_s_type() -> None:
+    b = tf.constant(np.arange(6).reshape(2, 3), dtype=tf.bfloat16)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    assert direct_type(bf16) is None  # no buffer-protocol format: `send_view` copies it
+    assert isinstance(send_buffer(b, bf16, direct_type(bf16)), np.ndarray)
+    f = tf.ones((2, 3))
+    i32 = np.dtype(np.int32)
+    other = send_buffer(f, i32, direct_type(i32))  # a float32 tensor on an int32 boundary
+    assert isinstance(other, np.ndarray)
+    arr = np.ones((2, 3), np.float32)  # not an EagerTensor
+    assert isinstance(send_buffer(arr, arr.dtype, direct_type(arr.dtype)), np.ndarray)
 
 
 def test_a_send_falls_back_to_an_array_where_the_view_does_not_describe_the_boundary() -> None:

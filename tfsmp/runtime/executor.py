@@ -92,10 +92,11 @@ from tfsmp.runtime.buffers import (
     ReceivePool,
     aligned_empty,
     as_tensor,
+    direct_type,
     held,
     host_view,
     pool_tensor,
-    send_view,
+    send_buffer,
     wire,
     wired,
 )
@@ -219,7 +220,7 @@ class _Step:
     grad_in: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
     grad_out: dict[tuple[int, int], dict[int, tf.Tensor]] = field(default_factory=dict)
     sends: list[Request] = field(default_factory=list)  # this step's sends, in flight or done
-    sent: list[np.ndarray] = field(default_factory=list)  # what they send, alive until done
+    sent: list[Any] = field(default_factory=list)  # what they send (arrays, tensors), alive until done
     deferred: list[tuple[int, int]] = field(default_factory=list)  # [Note: drain split]
 
 
@@ -482,13 +483,14 @@ class Executor:
         """The handler of a send of one boundary to another rank ([Note: message handlers]):
         `_transmit`'s common case."""
         key, index, dest, tag, dtype = (stage, s.microbatch), s.indices[0], s.dest, s.tags[0], s.dtypes[0]
-        isend = self._isend
+        isend, enum = self._isend, direct_type(dtype)
 
         def send(a: Action) -> None:
             step = self._now
-            view = send_view((step.grad_out if backward else step.produced)[key][index], dtype)
-            step.sends.append(isend(view, dest, tag))
-            step.sent.append(view)
+            buf = send_buffer((step.grad_out if backward else step.produced)[key][index], dtype,
+                              enum)  # the tensor itself: [Note: direct sends] in buffers.py
+            step.sends.append(isend(buf, dest, tag))
+            step.sent.append(buf)
 
         return send
 
@@ -694,9 +696,10 @@ class Executor:
     def _transmit(self, s: _Send, out: dict[int, tf.Tensor]) -> None:
         """Sends the tensors of ``out`` (activations or gradients, by boundary) as ``s`` says: in
         memory when the peer stage is on this rank, else each straight from the tensor's memory
-        (`send_view`, `host_view`)."""
+        (`send_buffer`, `host_view`)."""
         if s.single:  # one boundary, sent as it is: the common case, without the lists
-            buf = send_view(out[s.indices[0]], s.dtypes[0])
+            dtype = s.dtypes[0]
+            buf = send_buffer(out[s.indices[0]], dtype, direct_type(dtype))
             self._now.sends.append(self._isend(buf, s.dest, s.tags[0]))
             self._now.sent.append(buf)
             return
