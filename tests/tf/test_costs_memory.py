@@ -90,7 +90,9 @@ def test_what_a_transformer_block_keeps_is_measured() -> None:
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+    # oneDNN said explicitly: TensorFlow's default depends on the CPU (off on AMD EPYC hosts,
+    # where the CPU allocator then keeps no statistics and nothing is measured)
+    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1"}
     out = subprocess.run([sys.executable, "-c", _GPT_BLOCK], capture_output=True, text=True,
                          env={**env, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -139,7 +141,9 @@ def test_what_a_compiled_backward_keeps_leaves_out_outputs_no_gradient_needs() -
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+    # oneDNN said explicitly: TensorFlow's default depends on the CPU (off on AMD EPYC hosts,
+    # where the CPU allocator then keeps no statistics and nothing is measured)
+    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1"}
     out = subprocess.run([sys.executable, "-c", _CONV_BN_RELU], capture_output=True, text=True,
                          env={**env, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
