@@ -102,8 +102,9 @@ class Group(abc.ABC):
     def p2p(self) -> tuple[Callable[[Any, int, int], Request], Callable[[np.ndarray, int, int], Request]]:
         """``(isend, irecv)`` for messages whose buffers and peers the caller guarantees (the
         executor's come from its message plan: [Note: message plan] in
-        tfsmp/runtime/executor.py). ``isend`` takes any C-contiguous buffer (a tensor's
-        memoryview). A group may drop the per-call checks there; by default these are `isend`
+        tfsmp/runtime/executor.py). ``isend`` takes any object exporting a C-contiguous
+        buffer: an array, or a CPU EagerTensor itself ([Note: direct sends] in
+        tfsmp/runtime/buffers.py). A group may drop the per-call checks there; by default these are `isend`
         and `irecv`."""
         return (lambda buf, dest, tag: self.isend(np.asarray(buf), dest, tag)), self.irecv
 
