@@ -294,7 +294,8 @@ _PARAMS: list[Param] = [
         "hvd.init(comm=dp_comm) itself, so scripts must not call hvd.init(). False: the same "
         "reduction over MPI.")),
     Param("xla", "bool", False, "True, False", sdk=True, check=_bool, help=(
-        "Compile the stage programs with XLA (tf.function(jit_compile=True)). Undocumented in SMP.")),
+        "Compile the stage programs with XLA (tf.function(jit_compile=True)); Keras's "
+        "compile(jit_compile=True) asks for the same. Undocumented in SMP.")),
     Param("active_microbatches", "int or None", None, ">= 1", sdk=True,
           check=_optional(_positive_int), help=(
               "Cap on microbatches in flight per rank, which bounds stashed activations. None: the "

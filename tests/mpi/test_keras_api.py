@@ -18,7 +18,7 @@ CASES = [
     "case_evaluate_and_predict_match_keras", "case_weights_roundtrip",
     "case_dataset_and_generator_inputs", "case_bad_batches_fail_on_every_rank",
     "case_nonfinite_raise_and_skip", "case_mixed_precision",
-    "case_profile_and_post_partition_hook",
+    "case_profile_and_post_partition_hook", "case_jit_compile_switches_xla",
 ]
 
 
@@ -117,3 +117,11 @@ def test_readme_main_job_trains_the_example_on_two_ranks(tmp_path: Path) -> None
     assert f"saved the model to {saved} (" in res.stdout and zipfile.is_zipfile(saved)
     untagged = [re.sub(r"^\[\d+,\d+\]<\w+>: ?", "", t) for t in res.stderr.splitlines()]
     assert not [t for t in untagged if any(p.match(t) for p in TF_STARTUP)], res.stderr[-3000:]
+
+
+def test_jit_compile_compiles_the_stage_programs_with_xla(results: dict) -> None:
+    for r in case_results(results, "case_jit_compile_switches_xla"):
+        assert [s["jit_compile"] for s in r["seen"]] == [True, False, True]
+        assert [s["programs"] for s in r["seen"]] == [[True], [False], [True]]
+        assert all(s["same"] for s in r["seen"]), r["seen"]
+        assert r["same_weights"]

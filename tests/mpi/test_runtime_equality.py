@@ -6,7 +6,9 @@ multi-output model, a model with a layer used twice, a small Transformer, and an
 whose sparse gradients go through Adam. Stages p ∈ {1, 2, 4}, microbatches m ∈ {1, 2, 4, 8},
 every pipeline (simple, interleaved, zb-h1, zb-v, looped-bfs), both `optimize` modes, 1 or 2 virtual
 stages per rank, data-parallel degree
-1, 2 and 4 (MPI and Horovod). Tolerance: rtol 1e-5, atol 1e-6 (float32).
+1, 2 and 4 (MPI and Horovod), and stage programs compiled with XLA (the `xla` parameter or
+`compile(jit_compile=True)`, against plain Keras compiled with `jit_compile=True`).
+Tolerance: rtol 1e-5, atol 1e-6 (float32).
 """
 
 from __future__ import annotations
@@ -43,7 +45,12 @@ TWO_RANKS = with_full([
     "multiio:2:4:zb-v:speed", "rescnn:2:4:zb-v:memory",
     # breadth-first looped (tfsmp/schedule/pipelines/looped_bfs.py): 2 chunks per rank
     "mlp:2:4:looped-bfs:memory:v2", "rescnn:2:4:looped-bfs:speed:v2",
+    # XLA ([Note: jit_compile is xla] in tfsmp/keras/model.py): Dropout's masks are XLA's
+    "mlp:2:8:interleaved:speed:jit", "drop:2:1:interleaved:speed:jit",
+    "rescnn:2:4:interleaved:speed:v2,xla", "mlp:2:8:zb-h1:memory:adam,xla",
 ], [
+    "transformer:2:4:zb-v:speed:xla", "embed:2:4:interleaved:speed:adam,jit",
+    "bn:2:1:simple:memory:xla",
     "rescnn:2:8:simple:memory", "multiio:2:2:simple:speed", "shared:2:1:simple:speed",
     "transformer:2:4:interleaved:speed:v2", "drop:2:1:simple:memory", "mlp:2:4:zb-h1:speed",
     "shared:2:4:zb-h1:memory", "transformer:2:8:zb-v:speed",
@@ -55,6 +62,7 @@ FOUR_RANKS = with_full([
     "mlp:1:4:simple:speed",                                          # p=1, d=4
     "mlp:4:8:zb-h1:speed", "transformer:4:4:zb-v:memory",  # zb-v: 8 stages, the MLP has 6 layers
     "mlp:2:4:zb-h1:memory",                                          # zb-h1, p=2, d=2
+    "mlp:2:4:interleaved:speed:jit",                                 # XLA, p=2, d=2
 ], [
     "mlp:4:1:interleaved:memory", "multiio:4:4:interleaved:speed",
     "transformer:4:8:interleaved:speed",

@@ -221,9 +221,6 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
                 metrics: Any = None, weighted_metrics: Any = None, **kwargs: Any) -> None:
-        if kwargs.get("jit_compile") is True:
-            kwargs["jit_compile"] = False  # use the `xla` parameter: it compiles stage programs
-        kwargs.setdefault("jit_compile", False)
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
                         metrics=metrics, weighted_metrics=weighted_metrics, **kwargs)
         self._trainer_steps = None  # Keras's compile dropped its step functions too
@@ -238,6 +235,17 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
         self.compile(**serialization_lib.deserialize_keras_object(config))
 
+    # [Note: jit_compile is xla] Keras's `compile(jit_compile=True)` asks for XLA, and the
+    # pipeline honours it where XLA can run: in the stage programs, as the `xla` parameter
+    # does. Keras resolves the argument ("auto", a model with a layer that does not support
+    # XLA, `run_eagerly`: with its own warnings) into `model.jit_compile`, which is read here
+    # when the stage programs are made; Keras's own train function, which would compile the
+    # whole step, is replaced ([Note: Keras's trainer drives] in trainer_steps.py), because
+    # the step sends messages and runs collectives that XLA cannot compile. Stage programs compiled with XLA give what plain Keras compiled with
+    # `jit_compile=True` gives (Dropout's masks included: XLA draws other random bits than
+    # TensorFlow's kernels), tests/mpi/test_runtime_equality.py. A new compile that changes it
+    # rebuilds the stage programs, as [Note: changing the model] does.
+
     # [Note: changing the model] Keras reads which variables train when it builds its train
     # function, so freezing or unfreezing layers and compiling again trains the new set. The
     # stage programs fix their trainable variables when built; so before a training step, a
@@ -250,14 +258,21 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         variables = self._all_variables()
         return tuple(id(v) for v in variables), tuple(bool(v.trainable) for v in variables)
 
+    def _xla(self) -> bool:
+        """Whether the stage programs compile with XLA: the `xla` parameter, or Keras's
+        ``compile(jit_compile=True)`` ([Note: jit_compile is xla])."""
+        return bool(self.jit_compile) or bool(self.runtime_state().config.xla)
+
     def _refresh_engine(self) -> bool:
-        """New stage programs if the trainable flags changed ([Note: changing the model]);
-        returns whether it made them."""
+        """New stage programs if the trainable flags changed ([Note: changing the model]) or
+        a new `compile` asks for XLA where the programs have none, or the reverse; returns
+        whether it made them."""
         if self._engine is None:
             return False
         ids, flags = self._trainable_signature()
         before = self._trained_set
-        if before is None or (ids, flags) == before:
+        if before is None or ((ids, flags) == before
+                              and bool(self._engine.config.xla) == self._xla()):
             return False
         if ids != before[0]:
             raise StepError(
@@ -269,7 +284,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         from tfsmp.runtime.setup import rebuild_engine
 
         self._engine = rebuild_engine(self._engine, getattr(self, "_compile_loss", None),
-                                      getattr(self, "optimizer", None))
+                                      getattr(self, "optimizer", None), xla=self._xla())
         self._trained_set = (ids, flags)
         return True
 
@@ -327,7 +342,8 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             self.source_model(), sample_x, self._state,
             compile_loss=getattr(self, "_compile_loss", None),
             optimizer=getattr(self, "optimizer", None), rank_tag=self._rank_tag(),
-            subclassed=self._wrapped is None, profile_batch=self._profile_batch)
+            subclassed=self._wrapped is None, profile_batch=self._profile_batch,
+            xla=self._xla())
         self._trained_set = self._trainable_signature()
         import importlib.util
 

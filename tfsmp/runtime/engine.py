@@ -147,11 +147,14 @@ class Engine:
                                         for v in (*p.trainable, *p.non_trainable)])
         self.ties.sync()  # copies of tied variables start identical
 
-    def rebuilt(self, objective: Objective | None, optimizer: Any) -> Engine:
+    def rebuilt(self, objective: Objective | None, optimizer: Any,
+                config: Config | None = None) -> Engine:
         """A new engine over the same traced model, plan and schedules, whose stage programs
         read the variables' trainable flags anew ([Note: changing the model] in
-        tfsmp/keras/model.py). Every rank calls it."""
-        return Engine(self.traced, self.plan, self.executors.schedules, config=self.config,
+        tfsmp/keras/model.py); ``config``: the run's config with another `xla`. Every rank
+        calls it."""
+        return Engine(self.traced, self.plan, self.executors.schedules,
+                      config=config or self.config,
                       comm=self.comm, rank_tag=self.rank_tag, objective=objective,
                       optimizer=optimizer, tracer=self._tracer, horovod=self.reduction.horovod)
 

@@ -84,8 +84,9 @@ class OptimizerBridge:
             raise StepError(
                 f"{self.rank_tag} global_clipnorm across pipeline stages needs one small "
                 f"collective inside the optimizer step, which an XLA-compiled step cannot make. "
-                f"Received: global_clipnorm={clip} with xla=True. Set xla=False, or use "
-                f"clipnorm (per variable).")
+                f"Received: global_clipnorm={clip} with xla=True (or compile(jit_compile="
+                f"True)). Set xla=False and jit_compile=False, or use clipnorm (per "
+                f"variable).")
         counted, group = self.counted, self.group
 
         def allreduce(x: tf.Tensor) -> tf.Tensor:

@@ -166,11 +166,15 @@ def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int]) -> None:
 
 
 def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, optimizer: Any,
-                 rank_tag: str, subclassed: bool, profile_batch: Any = None) -> Engine:
+                 rank_tag: str, subclassed: bool, profile_batch: Any = None,
+                 xla: bool = False) -> Engine:
+    """The engine of ``model``: traced, planned on world rank 0, this rank's stages taken;
+    ``xla``: its stage programs compile with XLA even where the config says not
+    ([Note: jit_compile is xla] in tfsmp/keras/model.py)."""
     from tfsmp.graph.scopes import assignment, recording
     from tfsmp.graph.tracer import trace
 
-    config = state.config
+    config = replace(state.config, xla=True) if xla else state.config
     with recording() as placed:
         traced = trace(model, sample_input=sample_x)
     manual = assignment(traced, placed) if not config.auto_partition else None
@@ -215,8 +219,11 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
                   objective=objective, optimizer=optimizer, tracer=tracer, horovod=state.horovod)
 
 
-def rebuild_engine(engine: Engine, compile_loss: Any, optimizer: Any) -> Engine:
+def rebuild_engine(engine: Engine, compile_loss: Any, optimizer: Any, *,
+                   xla: bool | None = None) -> Engine:
     """``engine``'s plan and schedules with new stage programs, the compiled loss and optimizer
-    ([Note: changing the model] in tfsmp/keras/model.py)."""
+    ([Note: changing the model] in tfsmp/keras/model.py); ``xla``: whether they compile with
+    XLA (None: as before)."""
     objective = Objective(compile_loss)  # None: the layers' losses only, as in Keras
-    return engine.rebuilt(objective, optimizer)
+    config = engine.config if xla is None else replace(engine.config, xla=xla)
+    return engine.rebuilt(objective, optimizer, config=config)

@@ -219,3 +219,24 @@ def case_profile_and_post_partition_hook(ctx: object) -> dict[str, object]:
     return {"hook_calls": calls, "own_variables": len(dm.trainable_variables),
             "measured_on_rank0": all(v is not None and v > 0 for v in measured.values())
             if tfsmp.rank() == 0 else None}
+
+
+def case_jit_compile_switches_xla(ctx: object) -> dict[str, object]:
+    """`compile(jit_compile=...)` decides whether the stage programs compile with XLA
+    ([Note: jit_compile is xla] in tfsmp/keras/model.py); a new compile that changes it
+    rebuilds them, and training goes on from the same weights, as plain Keras's does."""
+    _init()
+    x, y = _data()
+    ref, dm = _pair()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    seen: list[object] = []
+    for jit in (True, False, True):
+        for m in (ref, dm):
+            m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=jit)
+        ref_loss = ref.train_on_batch(x[:32], y[:32])
+        got = dm.train_on_batch(x[:32], y[:32])
+        compiled = {bool(p._fwd._jit_compile) for p in dm._engine.programs.values()}
+        seen.append({"jit_compile": dm.jit_compile, "programs": sorted(compiled),
+                     "same": _close(got, ref_loss)})
+    same_weights = all(_close(a, b) for a, b in zip(dm.get_weights(), ref.get_weights()))
+    return {"seen": seen, "same_weights": same_weights}

@@ -4,7 +4,10 @@ Usage (under mpirun): python -m mpi4py runtime_cases.py CASE [CASE ...]
 A CASE is ``model:partitions:microbatches:pipeline:optimize[:flag,flag]``, e.g.
 ``mlp:2:4:interleaved:speed`` or ``embed:2:4:simple:memory:adam,horovod``. Flags: ``horovod``
 (reduce over Horovod), ``adam`` (Adam instead of SGD with momentum), ``v2`` (two virtual
-stages per rank), ``shard`` (``shard_optimizer_state``), ``clip`` (``global_clipnorm``). Pipelines: ``simple``, ``interleaved``, and the zero-bubble ``zb-h1`` and
+stages per rank), ``shard`` (``shard_optimizer_state``), ``clip`` (``global_clipnorm``), ``xla``
+(the ``xla`` parameter: stage programs compiled with XLA), ``jit`` (the same asked by
+``compile(jit_compile=True)``); with either, the reference is plain Keras compiled with
+``jit_compile=True``. Pipelines: ``simple``, ``interleaved``, and the zero-bubble ``zb-h1`` and
 ``zb-v`` (2 chunks per rank in a V).
 Every rank prints one JSON line per case: {"case", "rank", "ok", "losses", "ref_losses",
 "max_weight_err", "held_bytes", "plan_bytes", "error"}.
@@ -193,18 +196,20 @@ def run_case(spec: str) -> dict[str, object]:
         tfsmp.shutdown()
     tfsmp.init({"partitions": p, "microbatches": m, "pipeline": pipeline, "optimize": optimize,
                 "horovod": horovod, "virtual_stages": virtual,
-                "shard_optimizer_state": "shard" in flags})
+                "shard_optimizer_state": "shard" in flags, "xla": "xla" in flags})
     x, y = data(name, STEPS * BATCH)
     ref = build(name)
     init = ref.get_weights()
-    ref.compile(optimizer=optimizer_of(adam, clip), loss=loss_of(name))
+    jit = bool({"xla", "jit"} & flags)
+    ref.compile(optimizer=optimizer_of(adam, clip), loss=loss_of(name), jit_compile=jit)
     ref_losses = [_first(ref.train_on_batch(rows(x, i * BATCH, (i + 1) * BATCH),
                                            rows(y, i * BATCH, (i + 1) * BATCH)))
                   for i in range(STEPS)]
     model = build(name)
     model.set_weights(init)
     dm = tfsmp.DistributedModel(model)
-    dm.compile(optimizer=optimizer_of(adam, clip), loss=loss_of(name))
+    dm.compile(optimizer=optimizer_of(adam, clip), loss=loss_of(name),
+               jit_compile="jit" in flags)
     losses = [_first(dm.train_on_batch(rows(x, i * BATCH, (i + 1) * BATCH),
                                       rows(y, i * BATCH, (i + 1) * BATCH)))
               for i in range(STEPS)]
@@ -213,6 +218,9 @@ def run_case(spec: str) -> dict[str, object]:
             for a, b in zip(weights, ref.get_weights())]
     loss_ok = np.allclose(losses, ref_losses, rtol=RTOL, atol=ATOL)
     engine = dm._engine
+    compiled = {bool(p._fwd._jit_compile) for p in engine.programs.values()}
+    if compiled != {jit}:
+        raise AssertionError(f"stage programs with jit_compile {compiled}, expected {jit}")
     model_weights = {id(v) for v in dm._all_variables()}  # not seed-generator state
     plan_bytes = sum(
         int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
