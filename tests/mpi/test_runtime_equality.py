@@ -72,6 +72,7 @@ FOUR_RANKS = with_full([
 FOUR_RANKS_HOROVOD = [
     "mlp:2:4:simple:memory:horovod", "rescnn:2:4:interleaved:speed:horovod",
     "embed:2:4:interleaved:speed:adam,horovod", "mlp:2:4:zb-h1:speed:horovod",
+    "mlp:2:4:interleaved:speed:horovod,jit",
 ]
 
 
