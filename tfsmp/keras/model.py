@@ -272,7 +272,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         ids, flags = self._trainable_signature()
         before = self._trained_set
         if before is None or ((ids, flags) == before
-                              and bool(self._engine.config.xla) == self._xla()):
+                              and self._engine.compiles_with_xla() == self._xla()):
             return False
         if ids != before[0]:
             raise StepError(

@@ -147,6 +147,11 @@ class Engine:
                                         for v in (*p.trainable, *p.non_trainable)])
         self.ties.sync()  # copies of tied variables start identical
 
+    def compiles_with_xla(self) -> bool:
+        """Whether the stage programs compile with XLA ([Note: jit_compile is xla] in
+        tfsmp/keras/model.py)."""
+        return bool(self.config.xla)
+
     def rebuilt(self, objective: Objective | None, optimizer: Any,
                 config: Config | None = None) -> Engine:
         """A new engine over the same traced model, plan and schedules, whose stage programs
