@@ -241,10 +241,11 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     # XLA, `run_eagerly`: with its own warnings) into `model.jit_compile`, which is read here
     # when the stage programs are made; Keras's own train function, which would compile the
     # whole step, is replaced ([Note: Keras's trainer drives] in trainer_steps.py), because
-    # the step sends messages and runs collectives that XLA cannot compile. Stage programs compiled with XLA give what plain Keras compiled with
-    # `jit_compile=True` gives (Dropout's masks included: XLA draws other random bits than
-    # TensorFlow's kernels), tests/mpi/test_runtime_equality.py. A new compile that changes it
-    # rebuilds the stage programs, as [Note: changing the model] does.
+    # the step sends messages and runs collectives that XLA cannot compile. Stage programs
+    # compiled with XLA give what plain Keras compiled with `jit_compile=True` gives (Dropout's
+    # masks included: XLA draws other random bits than TensorFlow's kernels),
+    # tests/mpi/test_runtime_equality.py. A new compile that changes it rebuilds the stage
+    # programs, as [Note: changing the model] does.
 
     # [Note: changing the model] Keras reads which variables train when it builds its train
     # function, so freezing or unfreezing layers and compiling again trains the new set. The
@@ -342,8 +343,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             self.source_model(), sample_x, self._state,
             compile_loss=getattr(self, "_compile_loss", None),
             optimizer=getattr(self, "optimizer", None), rank_tag=self._rank_tag(),
-            subclassed=self._wrapped is None, profile_batch=self._profile_batch,
-            xla=self._xla())
+            subclassed=self._wrapped is None, xla=self._xla(), profile_batch=self._profile_batch)
         self._trained_set = self._trainable_signature()
         import importlib.util
 

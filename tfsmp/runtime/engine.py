@@ -152,14 +152,12 @@ class Engine:
         tfsmp/keras/model.py)."""
         return bool(self.config.xla)
 
-    def rebuilt(self, objective: Objective | None, optimizer: Any,
-                config: Config | None = None) -> Engine:
+    def rebuilt(self, objective: Objective | None, optimizer: Any, config: Config) -> Engine:
         """A new engine over the same traced model, plan and schedules, whose stage programs
         read the variables' trainable flags anew ([Note: changing the model] in
-        tfsmp/keras/model.py); ``config``: the run's config with another `xla`. Every rank
-        calls it."""
-        return Engine(self.traced, self.plan, self.executors.schedules,
-                      config=config or self.config,
+        tfsmp/keras/model.py); ``config``: the run's, with the `xla` the programs now take.
+        Every rank calls it."""
+        return Engine(self.traced, self.plan, self.executors.schedules, config=config,
                       comm=self.comm, rank_tag=self.rank_tag, objective=objective,
                       optimizer=optimizer, tracer=self._tracer, horovod=self.reduction.horovod)
 

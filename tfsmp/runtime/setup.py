@@ -166,15 +166,15 @@ def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int]) -> None:
 
 
 def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, optimizer: Any,
-                 rank_tag: str, subclassed: bool, profile_batch: Any = None,
-                 xla: bool = False) -> Engine:
+                 rank_tag: str, subclassed: bool, xla: bool, profile_batch: Any = None
+                 ) -> Engine:
     """The engine of ``model``: traced, planned on world rank 0, this rank's stages taken;
-    ``xla``: its stage programs compile with XLA even where the config says not
-    ([Note: jit_compile is xla] in tfsmp/keras/model.py)."""
+    ``xla``: whether its stage programs compile with XLA (the `xla` parameter or Keras's
+    `jit_compile`: [Note: jit_compile is xla] in tfsmp/keras/model.py)."""
     from tfsmp.graph.scopes import assignment, recording
     from tfsmp.graph.tracer import trace
 
-    config = replace(state.config, xla=True) if xla else state.config
+    config = replace(state.config, xla=xla)
     with recording() as placed:
         traced = trace(model, sample_input=sample_x)
     manual = assignment(traced, placed) if not config.auto_partition else None
@@ -219,11 +219,9 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
                   objective=objective, optimizer=optimizer, tracer=tracer, horovod=state.horovod)
 
 
-def rebuild_engine(engine: Engine, compile_loss: Any, optimizer: Any, *,
-                   xla: bool | None = None) -> Engine:
+def rebuild_engine(engine: Engine, compile_loss: Any, optimizer: Any, *, xla: bool) -> Engine:
     """``engine``'s plan and schedules with new stage programs, the compiled loss and optimizer
     ([Note: changing the model] in tfsmp/keras/model.py); ``xla``: whether they compile with
-    XLA (None: as before)."""
+    XLA, as in `build_engine`."""
     objective = Objective(compile_loss)  # None: the layers' losses only, as in Keras
-    config = engine.config if xla is None else replace(engine.config, xla=xla)
-    return engine.rebuilt(objective, optimizer, config=config)
+    return engine.rebuilt(objective, optimizer, config=replace(engine.config, xla=xla))
