@@ -124,4 +124,5 @@ def test_jit_compile_compiles_the_stage_programs_with_xla(results: dict) -> None
         assert [s["jit_compile"] for s in r["seen"]] == [True, False, True]
         assert [s["programs"] for s in r["seen"]] == [[True], [False], [True]]
         assert all(s["same"] for s in r["seen"]), r["seen"]
+        assert [s["limit"] for s in r["seen"]] == [500.0, 501.0, 502.0]  # the config's, each step
         assert r["same_weights"]

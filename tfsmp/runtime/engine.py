@@ -31,6 +31,7 @@ partial last batch: a replica left without rows still takes part in the reductio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -89,17 +90,21 @@ class Engine:
         optimizer: Any,  # a Keras optimizer, or None (an SMP script applies its own)
         tracer: Tracer | None = None,
         horovod: HorovodReducer | None = None,
+        xla: bool = False,
     ) -> None:
         self.traced = traced
         self.plan = plan
+        # the process's own config, never a copy: what a script changes on it between steps
+        # (stall_timeout, as tests/mpi/scripts/fault_*.py do) reaches the next step
         self.config = config
+        self._xla = xla  # [Note: jit_compile is xla] in tfsmp/keras/model.py
         self.comm = comm
         self.rank_tag = rank_tag
         # [Note: one description of the run] in tfsmp/schedule/run_plan.py: the schedule run,
         # its split stages, and whether stages may update inside their backward
-        self.run = RunPlan.for_config(config, data_parallel=comm.data.size,
-                                      tied=any(t.copies > 1 for t in plan.ties),
-                                      drain=plan.drain_split)
+        run = RunPlan.for_config(config, data_parallel=comm.data.size,
+                                 tied=any(t.copies > 1 for t in plan.ties), drain=plan.drain_split)
+        self.run = dataclasses.replace(run, xla=xla)
         self.objective = objective
         shapes = BoundaryShapes.for_plan(traced, plan)  # [Note: dynamic boundaries]
         relax = _dynamic_inputs(traced, shapes)
@@ -109,7 +114,7 @@ class Engine:
                            or self.run.late_possible(comm.pipeline.rank))
         self.programs = {
             s: StageProgram(traced, plan, s, optimize=config.optimize, objective=objective,
-                            jit_compile=bool(config.xla), relax_shapes=relax,
+                            jit_compile=xla, relax_shapes=relax,
                             split=s in self.run.split_stages, accumulate=not direct_possible)
             for s in self.stages}
         # [Note: tied reduction] in tfsmp/runtime/ties.py: a variable on two local stages is
@@ -120,7 +125,7 @@ class Engine:
         owned = (None if self.view.owned is None
                  else {id(v) for v in self.view.optimizer_variables})
         self.updates = Updates(self.programs, self.ties, self.run, pipe_rank=comm.pipeline.rank,
-                               group=comm.pipeline, xla=bool(config.xla), rank_tag=rank_tag,
+                               group=comm.pipeline, xla=xla, rank_tag=rank_tag,
                                counted=self._counted_here, owned=owned, exchange_group=comm.data,
                                clip_group=comm.world, watch=_watched)
         # [Note: what a rank converts] in batching.py
@@ -150,16 +155,17 @@ class Engine:
     def compiles_with_xla(self) -> bool:
         """Whether the stage programs compile with XLA ([Note: jit_compile is xla] in
         tfsmp/keras/model.py)."""
-        return bool(self.config.xla)
+        return self._xla
 
-    def rebuilt(self, objective: Objective | None, optimizer: Any, config: Config) -> Engine:
+    def rebuilt(self, objective: Objective | None, optimizer: Any, xla: bool) -> Engine:
         """A new engine over the same traced model, plan and schedules, whose stage programs
         read the variables' trainable flags anew ([Note: changing the model] in
-        tfsmp/keras/model.py); ``config``: the run's, with the `xla` the programs now take.
+        tfsmp/keras/model.py); ``xla``: whether the new stage programs compile with XLA.
         Every rank calls it."""
-        return Engine(self.traced, self.plan, self.executors.schedules, config=config,
+        return Engine(self.traced, self.plan, self.executors.schedules, config=self.config,
                       comm=self.comm, rank_tag=self.rank_tag, objective=objective,
-                      optimizer=optimizer, tracer=self._tracer, horovod=self.reduction.horovod)
+                      optimizer=optimizer, tracer=self._tracer, horovod=self.reduction.horovod,
+                      xla=xla)
 
     # -- what the rank holds -------------------------------------------------------------------
 
@@ -446,7 +452,7 @@ class Engine:
             prog = self.programs.get(0)
             fits = (self.config.partitions == 1 and self.plan.num_stages == 1
                     and self.config.microbatches == 1 and self.comm.data.size == 1
-                    and not self.ties.count and not self.config.xla
+                    and not self.ties.count and not self._xla
                     and self.optimizer is not None and self.updates.bridge is not None
                     and self.updates.bridge.plain and not self._layer_losses
                     and self.objective is not None and self.objective.prepared)

@@ -174,7 +174,7 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
     from tfsmp.graph.scopes import assignment, recording
     from tfsmp.graph.tracer import trace
 
-    config = replace(state.config, xla=xla)
+    config = state.config
     with recording() as placed:
         traced = trace(model, sample_input=sample_x)
     manual = assignment(traced, placed) if not config.auto_partition else None
@@ -216,7 +216,8 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
         tracer = Tracer(config.trace_dir, state.rank)
     objective = Objective(compile_loss)  # None: the layers' losses only, as in Keras
     return Engine(traced, plan, schedules, config=config, comm=state.comm, rank_tag=rank_tag,
-                  objective=objective, optimizer=optimizer, tracer=tracer, horovod=state.horovod)
+                  objective=objective, optimizer=optimizer, tracer=tracer, horovod=state.horovod,
+                  xla=xla)
 
 
 def rebuild_engine(engine: Engine, compile_loss: Any, optimizer: Any, *, xla: bool) -> Engine:
@@ -224,4 +225,4 @@ def rebuild_engine(engine: Engine, compile_loss: Any, optimizer: Any, *, xla: bo
     ([Note: changing the model] in tfsmp/keras/model.py); ``xla``: whether they compile with
     XLA, as in `build_engine`."""
     objective = Objective(compile_loss)  # None: the layers' losses only, as in Keras
-    return engine.rebuilt(objective, optimizer, config=replace(engine.config, xla=xla))
+    return engine.rebuilt(objective, optimizer, xla=xla)

@@ -224,19 +224,26 @@ def case_profile_and_post_partition_hook(ctx: object) -> dict[str, object]:
 def case_jit_compile_switches_xla(ctx: object) -> dict[str, object]:
     """`compile(jit_compile=...)` decides whether the stage programs compile with XLA
     ([Note: jit_compile is xla] in tfsmp/keras/model.py); a new compile that changes it
-    rebuilds them, and training goes on from the same weights, as plain Keras's does."""
+    rebuilds them, and training goes on from the same weights, as plain Keras's does. The
+    engine still reads the process's config: a stall_timeout changed between steps (as the
+    fault scripts lower it) is the limit of the next step, with or without XLA."""
     _init()
     x, y = _data()
     ref, dm = _pair()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    config = tfsmp.state().config
+    before = config.stall_timeout
     seen: list[object] = []
-    for jit in (True, False, True):
+    for i, jit in enumerate((True, False, True)):
         for m in (ref, dm):
             m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=jit)
         ref_loss = ref.train_on_batch(x[:32], y[:32])
+        object.__setattr__(config, "stall_timeout", 500.0 + i)
         got = dm.train_on_batch(x[:32], y[:32])
         compiled = {bool(p._fwd._jit_compile) for p in dm._engine.programs.values()}
         seen.append({"jit_compile": dm.jit_compile, "programs": sorted(compiled),
-                     "same": _close(got, ref_loss)})
+                     "same": _close(got, ref_loss),
+                     "limit": dm._engine.executors.last.stall_timeout})
+    object.__setattr__(config, "stall_timeout", before)
     same_weights = all(_close(a, b) for a, b in zip(dm.get_weights(), ref.get_weights()))
     return {"seen": seen, "same_weights": same_weights}
