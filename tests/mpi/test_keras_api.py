@@ -19,6 +19,7 @@ CASES = [
     "case_dataset_and_generator_inputs", "case_bad_batches_fail_on_every_rank",
     "case_nonfinite_raise_and_skip", "case_mixed_precision",
     "case_profile_and_post_partition_hook", "case_jit_compile_switches_xla",
+    "case_layer_with_trainer_mixed_in",
 ]
 
 
@@ -117,6 +118,13 @@ def test_readme_main_job_trains_the_example_on_two_ranks(tmp_path: Path) -> None
     assert f"saved the model to {saved} (" in res.stdout and zipfile.is_zipfile(saved)
     untagged = [re.sub(r"^\[\d+,\d+\]<\w+>: ?", "", t) for t in res.stderr.splitlines()]
     assert not [t for t in untagged if any(p.match(t) for p in TF_STARTUP)], res.stderr[-3000:]
+
+
+def test_a_layer_with_keras_trainer_mixed_in_trains_as_in_keras(results: dict) -> None:
+    # Keras's trainer_test.py models: a Dense and a dict-in, dict-out layer, Trainer mixed in
+    for r in case_results(results, "case_layer_with_trainer_mixed_in"):
+        for name in ("dense", "struct"):
+            assert all(r[name].values()), (name, r[name])
 
 
 def test_jit_compile_compiles_the_stage_programs_with_xla(results: dict) -> None:

@@ -237,10 +237,15 @@ CATALOGUE: dict[str, Bad] = {
     "not_a_keras_model": Bad(
         lambda tmp: tfsmp.DistributedModel(42), TypeError,
         r"^DistributedModel wraps a keras\.Model \(or a function returning one\)\. Received: int"),
-    "a_layer_mixing_in_the_trainer": Bad(  # Keras's trainer_test.py's ExampleModel
-        lambda tmp: tfsmp.DistributedModel(_trainer_layer(3)), TypeError,
-        r"^DistributedModel wraps a keras\.Model \(or a function returning one\)\. Received: "
-        r"_TrainerLayer, a keras Layer that mixes Keras's Trainer in, not a Model\. Fix: build "),
+    "a_layer_without_the_trainer": Bad(  # a layer with Trainer mixed in is a model: tfsmp
+        # trains it ([Note: a layer with Keras's Trainer] in tfsmp/graph/tracer.py)
+        lambda tmp: tfsmp.DistributedModel(keras.layers.Dense(3)), TypeError,
+        r"^DistributedModel wraps a keras\.Model \(or a function returning one, or a layer that "
+        r"mixes Keras's Trainer in\)\. Received: Dense, a keras Layer, not a Model\. Fix: build "),
+    "a_trainer_layer_at_two_partitions": Bad(  # Keras's trainer_test.py's ExampleModel: one layer
+        lambda tmp: plan_of(_trainer_layer(3), np.ones((4, 2), np.float32), partitions=2),
+        PartitionError, r"^Every stage needs at least one layer, so a model with 1 layers cannot "
+        r"be split into more stages\. Received: partitions=2, layers=1"),
     "subclass_called_outside_a_step": Bad(
         lambda tmp: type("Net", (tfsmp.DistributedModel,), {})()(X), StepError,
         r"^A DistributedModel subclass may be called only inside an smp\.step function"),

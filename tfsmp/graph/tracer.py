@@ -24,6 +24,14 @@ A leaf called several times whose variables are all trainable becomes one graph 
 different stages, each holding a copy of the variables it reads ([Note: tied copies] in `ir.py`;
 which variables a call reads: [Note: variable reads] in `reads.py`).
 
+[Note: a layer with Keras's Trainer] Keras trains any layer that mixes its `Trainer` in ("a
+model is just a layer mixed in with a Trainer", as Keras's own trainer tests build theirs), so
+`DistributedModel` wraps one too. Such a layer is traced as a model of one call: the layer
+itself, called on ``keras.Input`` tensors shaped like the sample, is the graph's one node
+(its own sublayers are not expanded, as for any layer that is not a ``keras.Model``). It runs at
+``partitions: 1`` (data-parallel replicas and microbatches); more partitions are refused by the
+planner, as for any model with fewer layers than stages.
+
 [Note: call semantics] `Call.run` calls the layer as `Functional` does: the node's recorded
 args/kwargs with tensors substituted, and ``training`` overriding the recorded value when it is
 not None and the layer takes it. Masks ride on the tensors (``_keras_mask``) as in Keras; see
@@ -307,7 +315,8 @@ def trace(model: keras.Model, batch_size: int | None = None, sample_input: Any =
     Tracing allocates no weights: layers built during the trace are built in `deferred_scope`.
 
     Args:
-        model: a Functional, Sequential or subclassed ``keras.Model`` (nesting allowed).
+        model: a Functional, Sequential or subclassed ``keras.Model`` (nesting allowed), or a
+            layer with Keras's `Trainer` mixed in ([Note: a layer with Keras's Trainer]).
         batch_size: batch dimension of the symbolic inputs of an unbuilt or subclassed model
             (default: unknown).
         sample_input: a batch (arrays, tensors or ``keras.KerasTensor`` specs, structured as in
@@ -353,6 +362,8 @@ def _top_function(model: keras.Model, batch_size: int | None, sample_input: Any)
         if fn is not None:
             return _Top(fn, True, True)
     args = _symbolic_inputs(model, batch_size, sample_input)
+    if not isinstance(model, keras.Model):  # [Note: a layer with Keras's Trainer]
+        return _Top(_layer_function(model, args), False, False)
     return _Top(_symbolic_function(model, (args,), {}), False, False)
 
 
@@ -406,6 +417,13 @@ def _symbolic_function(model: keras.Model, args: tuple[Any, ...], kwargs: dict[s
     if "training" in inspect.signature(model.call).parameters:
         _check_training_branches(model, args, kwargs)
     return keras.Function(_tensors((args, kwargs)), outputs, name=f"{model.name}_trace")
+
+
+def _layer_function(layer: Any, args: Any) -> Any:
+    """A ``keras.Function`` of one node: ``layer`` called on KerasTensors as a whole (its own
+    sublayers are not expanded: a layer is a leaf, whatever it holds)."""
+    outputs = _symbolic_call(layer, layer, (args,), {})
+    return keras.Function(_tensors(args), outputs, name=f"{layer.name}_trace")
 
 
 def _tensors(structure: Any) -> list[Any]:

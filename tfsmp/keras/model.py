@@ -70,32 +70,53 @@ def deferred_init() -> Iterator[None]:
         yield
 
 
+def _is_model(model: Any) -> bool:
+    """A ``keras.Model``, or a layer with Keras's `Trainer` mixed in ([Note: a layer with
+    Keras's Trainer] in tfsmp/graph/tracer.py): what Keras itself trains."""
+    from keras.src.trainers.trainer import Trainer
+
+    return isinstance(model, keras.Model) or (isinstance(model, keras.layers.Layer)
+                                              and isinstance(model, Trainer))
+
+
+def _as_model(model: Any) -> Any:
+    """The model `DistributedModel` wraps: ``model``, or what a function returns (built in
+    `deferred_init`); None for a subclass of its own.
+
+    Raises:
+        TypeError: neither a model nor a function returning one.
+    """
+    if isinstance(model, keras.layers.Layer) and not _is_model(model):
+        raise TypeError(
+            f"DistributedModel wraps a keras.Model (or a function returning one, or a layer "
+            f"that mixes Keras's Trainer in). Received: {type(model).__name__}, a keras "
+            f"Layer, not a Model. Fix: build a model of it, e.g. "
+            f"keras.Sequential([keras.Input(shape), layer]) or a Functional model; a "
+            f"pipeline needs at least as many layers as partitions.")
+    if model is not None and not _is_model(model):
+        if callable(model):
+            with deferred_init():
+                model = model()
+        if not _is_model(model):
+            raise TypeError(
+                f"DistributedModel wraps a keras.Model (or a function returning one). "
+                f"Received: {type(model).__name__}.")
+    return model
+
+
 @keras.saving.register_keras_serializable(package="tfsmp")
 class DistributedModel(keras.Model):  # type: ignore[misc]
     """A Keras model whose layers run as pipeline stages across ranks. See the module docstring."""
 
     def __init__(self, model: keras.Model | Callable[[], keras.Model] | None = None,
                  *args: Any, **kwargs: Any) -> None:
-        if isinstance(model, keras.layers.Layer) and not isinstance(model, keras.Model):
-            mixed = " that mixes Keras's Trainer in" if hasattr(model, "fit") else ""
-            raise TypeError(
-                f"DistributedModel wraps a keras.Model (or a function returning one). Received: "
-                f"{type(model).__name__}, a keras Layer{mixed}, not a Model. Fix: build a model "
-                f"of it, e.g. keras.Sequential([keras.Input(shape), layer]) or a Functional "
-                f"model; a pipeline needs at least as many layers as partitions.")
-        if model is not None and not isinstance(model, keras.Model):
-            if callable(model):
-                with deferred_init():
-                    model = model()
-            if not isinstance(model, keras.Model):
-                raise TypeError(
-                    f"DistributedModel wraps a keras.Model (or a function returning one). "
-                    f"Received: {type(model).__name__}.")
-        name = kwargs.pop("name", None) or (f"distributed_{model.name}" if model is not None else None)
+        wrapped = _as_model(model)  # a keras.Model, or a layer with Trainer mixed in
+        name = kwargs.pop("name", None) or (
+            f"distributed_{wrapped.name}" if wrapped is not None else None)
         super().__init__(*args, name=name, **kwargs)
-        self._wrapped = model
-        if model is not None and hasattr(model, "output_names"):
-            self.output_names = model.output_names
+        self._wrapped = wrapped
+        if wrapped is not None and hasattr(wrapped, "output_names"):
+            self.output_names = wrapped.output_names
         self._engine: Any = None
         self._state: Any = None
         self._trainer_steps: TrainerSteps | None = None

@@ -247,3 +247,62 @@ def case_jit_compile_switches_xla(ctx: object) -> dict[str, object]:
     object.__setattr__(config, "stall_timeout", before)
     same_weights = all(_close(a, b) for a, b in zip(dm.get_weights(), ref.get_weights()))
     return {"seen": seen, "same_weights": same_weights}
+
+
+def _trainer_layers() -> dict[str, type]:
+    """Layers with Keras's Trainer mixed in, as Keras's trainer_test.py builds its models."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer as Trainer
+
+    class Dense(Trainer, keras.layers.Dense):  # type: ignore[misc]
+        def __init__(self, units: int) -> None:
+            keras.layers.Dense.__init__(self, units=units, use_bias=False)
+            Trainer.__init__(self)
+
+    class Struct(Trainer, keras.layers.Layer):  # type: ignore[misc]
+        def __init__(self, units: int) -> None:
+            keras.layers.Layer.__init__(self)
+            Trainer.__init__(self)
+            self.one = keras.layers.Dense(units, activation="tanh")
+            self.two = keras.layers.Dense(units)
+
+        def call(self, x: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+            return {"y_one": self.one(x["x_one"]), "y_two": self.two(x["x_two"])}
+
+    return {"dense": Dense, "struct": Struct}
+
+
+def case_layer_with_trainer_mixed_in(ctx: object) -> dict[str, object]:
+    """A layer with Keras's Trainer mixed in is a model to Keras, and to tfsmp ([Note: a layer
+    with Keras's Trainer] in tfsmp/graph/tracer.py): at partitions 1 over 2 replicas and 2
+    microbatches its History, weights, evaluate and predict equal plain Keras's."""
+    _init(partitions=1)
+    x, y = _data()
+    data = {"dense": (x, y.astype(np.float32)[:, None] * np.ones((1, 3), np.float32)),
+            "struct": ({"x_one": x, "x_two": x[:, ::-1].copy()},
+                       {"y_one": x[:, :3], "y_two": x[:, 3:6]})}
+    out: dict[str, object] = {}
+    for name, cls in _trainer_layers().items():
+        xs, ys = data[name]
+        keras.utils.set_random_seed(7)
+        ref = cls(3)
+        ref(tf.nest.map_structure(lambda a: a[:2], xs))
+        keras.utils.set_random_seed(7)
+        inner = cls(3)
+        inner(tf.nest.map_structure(lambda a: a[:2], xs))
+        inner.set_weights(ref.get_weights())
+        dm = tfsmp.DistributedModel(inner)
+        for m in (ref, dm):
+            m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                      metrics={"y_one": ["mae"], "y_two": ["mae"]} if name == "struct" else
+                      ["mae"])
+        h_ref = ref.fit(xs, ys, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        h = dm.fit(xs, ys, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        out[name] = {
+            "keys": sorted(h.history) == sorted(h_ref.history),
+            "history": all(_close(h.history[k], h_ref.history[k]) for k in h_ref.history),
+            "weights": all(_close(a, b) for a, b in zip(dm.get_weights(), ref.get_weights())),
+            "evaluate": _close(dm.evaluate(xs, ys, verbose=0), ref.evaluate(xs, ys, verbose=0)),
+            "predict": all(_close(a, b) for a, b in zip(
+                tf.nest.flatten(dm.predict(xs, verbose=0)),
+                tf.nest.flatten(ref.predict(xs, verbose=0))))}
+    return out
