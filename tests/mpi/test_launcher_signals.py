@@ -78,7 +78,17 @@ def _start(launcher: list[str], mode: str, out: Path, marker: str) -> subprocess
     tmp.mkdir(exist_ok=True)
     return subprocess.Popen([*launcher, str(JOB), mode, str(out), marker],
                             env=base_env({"TMPDIR": str(tmp)}),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_as_from_a_terminal)
+
+
+def _as_from_a_terminal() -> None:
+    """The launcher starts with the stop signals at their defaults, as a terminal starts it.
+    A test run under `nohup` (or a CI service) ignores SIGHUP, and an ignored signal stays
+    ignored across exec: horovodrun's `sh -c mpirun` then ignores the SIGHUP the test sends
+    (as `nohup horovodrun ...` means it to), and the job rightly runs on."""
+    for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def _stop(proc: subprocess.Popen[bytes], signum: int, marker: str,
