@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import time
 import traceback
@@ -67,6 +68,30 @@ def run_case(module: ModuleType, name: str, ctx: CaseContext) -> dict[str, Any]:
     return record
 
 
+PEER_GRACE = float(os.environ.get("TFSMP_CASE_GRACE", "240"))  # s; see `leave_together`
+
+
+def leave_together(world: Any, name: str, ok: bool) -> None:
+    """Waits for every rank to end case ``name``; ends the job when one has not within
+    `PEER_GRACE` seconds. A case that raised on some ranks only leaves the others waiting in its
+    messages or collectives (until stall_timeout, 600 s by default, beyond most launches' limit),
+    and the ranks that go on would mismatch every later case: so the job ends here, with this
+    line and the failing rank's report (its JSON line, printed before) instead of a launch
+    timeout."""
+    request = world.Ibarrier()
+    deadline = time.monotonic() + PEER_GRACE
+    while not request.Test():
+        if time.monotonic() > deadline:
+            here = "passed" if ok else "failed"
+            sys.stderr.write(
+                f"cases_runner: rank {world.Get_rank()} waited {PEER_GRACE:.0f} s for the other "
+                f"ranks to end case {name} (which {here} here); a rank is stuck in it, most "
+                f"likely because the case failed on another rank only: ending the job\n")
+            sys.stderr.flush()
+            world.Abort(3)
+        time.sleep(0.005)
+
+
 def main(argv: list[str]) -> None:
     world = MPI.COMM_WORLD
     ctx = CaseContext(rank=world.Get_rank(), size=world.Get_size(), world=world)
@@ -74,8 +99,9 @@ def main(argv: list[str]) -> None:
     if hasattr(module, "setup"):
         module.setup(ctx)
     for name in argv[2:]:
-        print(json.dumps(run_case(module, name, ctx)), flush=True)
-        world.Barrier()  # cases never overlap, even when one failed on some ranks
+        record = run_case(module, name, ctx)
+        print(json.dumps(record), flush=True)
+        leave_together(world, name, record["ok"])  # cases never overlap
     if hasattr(module, "teardown"):
         module.teardown(ctx)
 

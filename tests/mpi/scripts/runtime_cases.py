@@ -239,6 +239,10 @@ def run_case(spec: str) -> dict[str, object]:
 
 
 def main(specs: list[str]) -> None:
+    from mpi4py import MPI
+
+    from tests.mpi.cases_runner import leave_together
+
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     for spec in specs:
         try:
@@ -248,6 +252,8 @@ def main(specs: list[str]) -> None:
             out = {"ok": False, "error": traceback.format_exc()}
         out.update(case=spec, rank=rank)
         print("CASE " + json.dumps(out), flush=True)
+        # a case that failed on one rank only must not leave the others waiting for ever
+        leave_together(MPI.COMM_WORLD, spec, out["error"] is None)
     tf.keras.backend.clear_session()
 
 
