@@ -19,7 +19,7 @@ CASES = [
     "case_dataset_and_generator_inputs", "case_bad_batches_fail_on_every_rank",
     "case_nonfinite_raise_and_skip", "case_mixed_precision",
     "case_profile_and_post_partition_hook", "case_jit_compile_switches_xla",
-    "case_layer_with_trainer_mixed_in",
+    "case_layer_with_trainer_mixed_in", "case_a_bad_batch_fails_alike_where_a_replica_has_no_rows",
 ]
 
 
@@ -125,6 +125,12 @@ def test_a_layer_with_keras_trainer_mixed_in_trains_as_in_keras(results: dict) -
     for r in case_results(results, "case_layer_with_trainer_mixed_in"):
         for name in ("dense", "struct"):
             assert all(r[name].values()), (name, r[name])
+
+
+def test_a_bad_batch_without_rows_on_a_replica_fails_on_every_rank(results: dict) -> None:
+    for r in case_results(results, "case_a_bad_batch_fails_alike_where_a_replica_has_no_rows"):
+        assert r["errors"] == ["per-sample shape"] * 3, r["errors"]  # fit's validation, predict,
+        assert r["val_loss"]                                          # train_on_batch; then fit
 
 
 def test_jit_compile_compiles_the_stage_programs_with_xla(results: dict) -> None:

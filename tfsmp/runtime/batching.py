@@ -139,6 +139,12 @@ class Batching:
                     f"expected {tuple(want)}. Pad or crop batches to one shape (shapes may not "
                     f"change between batches of a pipelined model).")
 
+    def check_inputs(self, x: Any) -> None:
+        """`check_inputs_packed` of the global batch ``x``, for a replica without rows of it
+        (which makes no microbatches): a bad batch then fails on every rank alike, not only
+        where rows are split, while the others wait in the step's collectives."""
+        self.check_inputs_packed(self.traced.pack_inputs(x, self.reads))
+
     def microbatches(self, x: Any, y: Any, sample_weight: Any, shape: StepShape, *,
                      objective: Objective | None = None, scale: float = 1.0) -> list[MicroBatch]:
         """This replica's microbatches of a global batch, with their constants: a training

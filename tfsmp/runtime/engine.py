@@ -243,6 +243,7 @@ class Engine:
             self.updates.settle_late_without_rows()
         self._configure_executors()
         if shape.microbatches == 0:  # this replica has no rows: it only takes part in the reductions
+            self.batching.check_inputs(x)  # but refuses a bad batch as the others do
             return self.executors.idle(shape.step_microbatches).run(
                 [], mode=StepMode(train=True), hooks=self)
         mbs = self.batching.microbatches(x, y, sample_weight, shape,
@@ -327,7 +328,8 @@ class Engine:
         """Pipelined inference of this replica's rows of the global batch ``x``; outputs land on
         the last stage's rank, with their Keras masks."""
         shape = shape or self.batching.step_shape(mbatch.batch_size_of(x))
-        if shape.microbatches == 0:
+        if shape.microbatches == 0:  # no rows here: refuse a bad batch as the others do
+            self.batching.check_inputs(x)
             return shape, StepResult()
         mbs = self.batching.microbatches(x, None, None, shape)
         self._configure_executors()

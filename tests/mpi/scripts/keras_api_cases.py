@@ -306,3 +306,26 @@ def case_layer_with_trainer_mixed_in(ctx: object) -> dict[str, object]:
                 tf.nest.flatten(dm.predict(xs, verbose=0)),
                 tf.nest.flatten(ref.predict(xs, verbose=0))))}
     return out
+
+
+def case_a_bad_batch_fails_alike_where_a_replica_has_no_rows(ctx: object) -> dict[str, object]:
+    """A one-row batch of the wrong shape over 2 replicas: the replica without rows refuses it
+    too, so a script that catches the error goes on with the next fit (Keras's
+    trainer_test.py::test_for_eval_epoch_iterator); before, only the replica holding the row
+    raised, and the next fit's collectives met the other replica's report."""
+    _init(partitions=1)
+    x, y = _data(16)
+    _, dm = _pair()
+    dm.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    errors = []
+    for call in (lambda: dm.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                                validation_data=(x.reshape((1, 16, 10)), y[:1])),
+                 lambda: dm.predict(x.reshape((1, 16, 10)), verbose=0),
+                 lambda: dm.train_on_batch(x.reshape((1, 16, 10)), y[:1])):
+        try:
+            call()
+            errors.append("")
+        except StepError as e:
+            errors.append("per-sample shape" if "per-sample shape" in str(e) else str(e)[:200])
+    history = dm.fit(x, y, batch_size=4, epochs=1, verbose=0, validation_data=(x, y))
+    return {"errors": errors, "val_loss": "val_loss" in history.history}
