@@ -36,6 +36,12 @@ EXPECTED: dict[str, tuple[str, str]] = {
                         r"Received: 2 values \(list\)\."),
     "ragged_inputs": ("StepError", r"^A pipelined model trains on dense tensors: .* Received: a "
                       r"tf\.RaggedTensor as inputs \(shape \(16, None\)\)\. Fix: pad it"),
+    # Keras's trainer_test.py fits, evaluates and predicts on SciPy and tf sparse matrices
+    "sparse_inputs": ("StepError", r"^A pipelined model takes dense tensors: .* Received: a "
+                      r"tf\.SparseTensor \(or a SciPy sparse matrix\) as inputs \(shape \(16, "
+                      r"8\)\)\. Fix: pass it dense"),
+    "sparse_inputs_to_predict": ("StepError", r"^A pipelined model takes dense tensors: .* "
+                                 r"Received: a tf\.SparseTensor"),
     "optional_input_none": (
         "StepError", r"^A pipelined model needs a value for every input: .* Received: None for "
         r"input\(s\) \['o'\] \(optional inputs\)\. Fix: pass a tensor for them"),

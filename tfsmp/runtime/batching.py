@@ -102,15 +102,7 @@ class Batching:
         Raises:
             StepError: on every rank alike, before any message; also for ragged data.
         """
-        for what, value in (("inputs", x), ("targets", y), ("sample_weight", sample_weight)):
-            ragged = [t for t in tf.nest.flatten(value) if isinstance(t, tf.RaggedTensor)]
-            if ragged:
-                raise StepError(
-                    f"{self.rank_tag} A pipelined model trains on dense tensors: rows are split "
-                    f"into microbatches and replicas, and stages exchange fixed-shape buffers. "
-                    f"Received: a tf.RaggedTensor as {what} (shape {ragged[0].shape}). Fix: pad "
-                    f"it (`x.to_tensor()`) and mask the padding (a padding mask input or "
-                    f"keras.layers.Masking), or train this model with plain Keras.")
+        self.check_dense(x, y, sample_weight)
         b = mbatch.batch_size_of(x)
         for what, value in (("targets", y), ("sample_weight", sample_weight)):
             n = mbatch.batch_size_of(value) if value is not None else b
@@ -119,6 +111,30 @@ class Batching:
                     f"{self.rank_tag} Targets and sample weights must have one row per input "
                     f"row. Received: inputs with batch size {b}, {what} with batch size {n}. "
                     f"Pass x, y and sample_weight of the same length.")
+
+    def check_dense(self, x: Any, y: Any = None, sample_weight: Any = None) -> None:
+        """Refuses ragged and sparse data (a SciPy sparse matrix arrives as a tf.SparseTensor
+        from Keras's data adapters): rows are split by slicing dense arrays.
+
+        Raises:
+            StepError: on every rank alike, before any message.
+        """
+        for what, value in (("inputs", x), ("targets", y), ("sample_weight", sample_weight)):
+            for t in tf.nest.flatten(value):
+                if isinstance(t, tf.RaggedTensor):
+                    raise StepError(
+                        f"{self.rank_tag} A pipelined model trains on dense tensors: rows are "
+                        f"split into microbatches and replicas, and stages exchange fixed-shape "
+                        f"buffers. Received: a tf.RaggedTensor as {what} (shape {t.shape}). "
+                        f"Fix: pad it (`x.to_tensor()`) and mask the padding (a padding mask "
+                        f"input or keras.layers.Masking), or train this model with plain Keras.")
+                if isinstance(t, tf.SparseTensor):
+                    raise StepError(
+                        f"{self.rank_tag} A pipelined model takes dense tensors: rows are split "
+                        f"into microbatches and replicas by slicing them. Received: a "
+                        f"tf.SparseTensor (or a SciPy sparse matrix) as {what} (shape "
+                        f"{t.shape}). Fix: pass it dense (`tf.sparse.to_dense(x)`, "
+                        f"`x.toarray()`), or train this model with plain Keras.")
 
     def check_inputs_packed(self, packed: dict[str, Any]) -> None:
         """Every input's per-sample shape must match the traced model's, before any message.

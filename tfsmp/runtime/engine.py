@@ -327,6 +327,7 @@ class Engine:
     def forward(self, x: Any, shape: StepShape | None = None) -> tuple[StepShape, StepResult]:
         """Pipelined inference of this replica's rows of the global batch ``x``; outputs land on
         the last stage's rank, with their Keras masks."""
+        self.batching.check_dense(x)
         shape = shape or self.batching.step_shape(mbatch.batch_size_of(x))
         if shape.microbatches == 0:  # no rows here: refuse a bad batch as the others do
             self.batching.check_inputs(x)

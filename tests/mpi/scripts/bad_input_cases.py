@@ -135,6 +135,10 @@ def case_data(ctx: Any) -> dict[str, Outcome]:
         ("no_targets", lambda: _outcome(dm, lambda: dm.train_on_batch(x[:BATCH]))),
         ("ragged_inputs", lambda: _outcome(dm, lambda: dm.train_on_batch(
             tf.RaggedTensor.from_tensor(x[:BATCH], lengths=[8] * (BATCH - 1) + [7]), y[:BATCH]))),
+        ("sparse_inputs", lambda: _outcome(dm, lambda: dm.train_on_batch(
+            tf.sparse.from_dense(x[:BATCH]), y[:BATCH]))),
+        ("sparse_inputs_to_predict", lambda: _outcome(dm, lambda: dm.predict(
+            tf.sparse.from_dense(x[:BATCH]), verbose=0))),
         ("optional_input_none", lambda: _optional_input_none(x, y)),
         ("validation_split",  # arrays only, as in Keras (tests/mpi/test_fit_parity.py)
          lambda: _outcome(dm, lambda: dm.fit(ragged, validation_split=0.2, verbose=0))),
