@@ -515,6 +515,32 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         agree_finished(self, "predict")
         return out
 
+    @property
+    def metrics(self) -> list[Any]:
+        """Keras's `metrics` of this model, then the metrics the wrapped model holds.
+
+        [Note: held metrics] Keras lists a model's compiled trackers, then the `Metric` objects
+        the model holds as attributes (``self.my_metric = keras.metrics.Mean()``), then those
+        its layers hold (a sublayer that mixes Keras's `Trainer` in excepted). Here the model
+        is the `DistributedModel` and the user's model one of its layers, which Keras skips
+        as a `Trainer`; so the wrapped model's own and its layers' metrics are appended as
+        Keras lists them for it, and `History`, `get_metrics_result()`, `reset_metrics()` and
+        `metrics_variables` see them as in plain Keras. A held metric that a layer's `call()`
+        updates is updated per microbatch, on the ranks that run that layer, like other state
+        a layer changes in its call (docs/keras_semantics.md, "Per microbatch").
+        """
+        found = list(super().metrics)
+        wrapped = self.__dict__.get("_wrapped")
+        if wrapped is None:
+            return found
+        from keras.src.trainers.trainer import Trainer
+
+        found.extend(wrapped._metrics)  # noqa: SLF001 (the metrics a Keras layer holds)
+        for layer in wrapped._flatten_layers(include_self=False):
+            if not isinstance(layer, Trainer):
+                found.extend(layer.metrics)
+        return found
+
     # -- what the step functions read (methods: Keras's savers walk properties) ---------------
 
     def loss_tracker(self) -> Any:

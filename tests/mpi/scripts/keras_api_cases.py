@@ -257,6 +257,9 @@ def _trainer_layers() -> dict[str, type]:
         def __init__(self, units: int) -> None:
             keras.layers.Dense.__init__(self, units=units, use_bias=False)
             Trainer.__init__(self)
+            # Keras lists and logs a metric the model holds (trainer_test.py's
+            # test_metric_tracking): [Note: held metrics] in tfsmp/keras/model.py
+            self.held = keras.metrics.MeanSquaredError(name="held")
 
     class Struct(Trainer, keras.layers.Layer):  # type: ignore[misc]
         def __init__(self, units: int) -> None:
@@ -299,6 +302,7 @@ def case_layer_with_trainer_mixed_in(ctx: object) -> dict[str, object]:
         h = dm.fit(xs, ys, batch_size=16, epochs=2, shuffle=False, verbose=0)
         out[name] = {
             "keys": sorted(h.history) == sorted(h_ref.history),
+            "metrics": [m.name for m in dm.metrics] == [m.name for m in ref.metrics],
             "history": all(_close(h.history[k], h_ref.history[k]) for k in h_ref.history),
             "weights": all(_close(a, b) for a, b in zip(dm.get_weights(), ref.get_weights())),
             "evaluate": _close(dm.evaluate(xs, ys, verbose=0), ref.evaluate(xs, ys, verbose=0)),
