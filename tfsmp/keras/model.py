@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.trainers.trainer import Trainer
 
 from tfsmp.comm import collective_label
 from tfsmp.errors import StepError
@@ -73,8 +74,6 @@ def deferred_init() -> Iterator[None]:
 def _is_model(model: Any) -> bool:
     """A ``keras.Model``, or a layer with Keras's `Trainer` mixed in ([Note: a layer with
     Keras's Trainer] in tfsmp/graph/tracer.py): what Keras itself trains."""
-    from keras.src.trainers.trainer import Trainer
-
     return isinstance(model, keras.Model) or (isinstance(model, keras.layers.Layer)
                                               and isinstance(model, Trainer))
 
@@ -517,29 +516,28 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
     @property
     def metrics(self) -> list[Any]:
-        """Keras's `metrics` of this model, then the metrics the wrapped model holds.
+        """Keras's `metrics` of this model, with the metrics the wrapped model holds.
 
         [Note: held metrics] Keras lists a model's compiled trackers, then the `Metric` objects
         the model holds as attributes (``self.my_metric = keras.metrics.Mean()``), then those
-        its layers hold (a sublayer that mixes Keras's `Trainer` in excepted). Here the model
-        is the `DistributedModel` and the user's model one of its layers, which Keras skips
-        as a `Trainer`; so the wrapped model's own and its layers' metrics are appended as
-        Keras lists them for it, and `History`, `get_metrics_result()`, `reset_metrics()` and
-        `metrics_variables` see them as in plain Keras. A held metric that a layer's `call()`
-        updates is updated per microbatch, on the ranks that run that layer, like other state
-        a layer changes in its call (docs/keras_semantics.md, "Per microbatch").
+        its layers hold, walking every layer below it but skipping the metrics of a layer that
+        mixes Keras's `Trainer` in. Here the model is the `DistributedModel` and the user's
+        model such a layer: Keras's walk still reaches the user's layers, but drops the metrics
+        the user's model holds itself. They go where Keras puts them for the user's model,
+        after the compiled trackers and before the layers' metrics, so `History`,
+        `get_metrics_result()`, `reset_metrics()` and `metrics_variables` see what plain Keras
+        sees. A held metric that a layer's `call()` updates is updated per microbatch, on the
+        ranks that run that layer, like other state a layer changes in its call
+        (docs/keras_semantics.md, "Per microbatch").
         """
         found = list(super().metrics)
         wrapped = self.__dict__.get("_wrapped")
-        if wrapped is None:
+        held = list(wrapped._metrics) if wrapped is not None else []  # noqa: SLF001 (a Keras layer's)
+        if not held:
             return found
-        from keras.src.trainers.trainer import Trainer
-
-        found.extend(wrapped._metrics)  # noqa: SLF001 (the metrics a Keras layer holds)
-        for layer in wrapped._flatten_layers(include_self=False):
-            if not isinstance(layer, Trainer):
-                found.extend(layer.metrics)
-        return found
+        below = sum(len(layer.metrics) for layer in self._flatten_layers(include_self=False)
+                    if not isinstance(layer, Trainer))
+        return found[:len(found) - below] + held + found[len(found) - below:]
 
     # -- what the step functions read (methods: Keras's savers walk properties) ---------------
 

@@ -267,6 +267,10 @@ def _trainer_layers() -> dict[str, type]:
             Trainer.__init__(self)
             self.one = keras.layers.Dense(units, activation="tanh")
             self.two = keras.layers.Dense(units)
+            # held by the model and by one of its layers: Keras lists the model's first, each
+            # once ([Note: held metrics] in tfsmp/keras/model.py)
+            self.held = keras.metrics.Mean(name="held")
+            self.one.inner = keras.metrics.Mean(name="inner")
 
         def call(self, x: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
             return {"y_one": self.one(x["x_one"]), "y_two": self.two(x["x_two"])}
