@@ -324,11 +324,14 @@ class Engine:
         every replica calls it with tensors of the same shapes and dtypes)."""
         return self.reduction.mean(tensors, "the data-parallel mean of a step's gradients")
 
-    def forward(self, x: Any, shape: StepShape | None = None) -> tuple[StepShape, StepResult]:
+    def forward(self, x: Any) -> tuple[StepShape, StepResult]:
         """Pipelined inference of this replica's rows of the global batch ``x``; outputs land on
         the last stage's rank, with their Keras masks."""
         self.batching.check_dense(x)
-        shape = shape or self.batching.step_shape(mbatch.batch_size_of(x))
+        return self._forward(x, self.batching.step_shape(mbatch.batch_size_of(x)))
+
+    def _forward(self, x: Any, shape: StepShape) -> tuple[StepShape, StepResult]:
+        """`forward` of a batch whose data was checked (`evaluate` checks it with its targets)."""
         if shape.microbatches == 0:  # no rows here: refuse a bad batch as the others do
             self.batching.check_inputs(x)
             return shape, StepResult()
@@ -346,7 +349,7 @@ class Engine:
         objective = self._objective()
         if not objective.prepared:
             self._prepare(x, y, sample_weight)
-        _, result = self.forward(x, shape)
+        _, result = self._forward(x, shape)
         partial = np.zeros(2 * len(objective.terms))
         if self.is_last_rank and result.outputs:
             self.batching.labels(result.microbatches, y, sample_weight, shape)
