@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from keras import layers, ops
+from keras.src.backend.common.name_scope import current_path
 
 import tfsmp
 from tfsmp.config import Config
@@ -270,6 +271,10 @@ def test_bad_model_is_refused_before_anything_is_placed(name: str, tmp_path: Pat
     bad = CATALOGUE[name]
     with pytest.raises(bad.error, match=bad.match):
         bad.call(tmp_path)
+    # a refusal leaves Keras's global state as it found it: a name scope left open made every
+    # later variable's path start with the refused layer's name ([Note: a leaked name scope])
+    assert current_path() == "", name
+    assert keras.Variable(1.0, name="probe").path == "probe", name
 
 
 def test_automatic_partitioning_gives_tied_layers_a_copy_per_stage() -> None:

@@ -34,6 +34,17 @@ scope adds 0.4 MiB of RSS instead of 512 MiB; materializing two layers adds 133 
 freed buffers in its own pool: the memory is reused by later tensors of this process but is
 returned to the OS only with ``TF_ENABLE_ONEDNN_OPTS=0``. Ranks should therefore not materialize
 what they do not own in the first place; `release` is for variables that must be dropped later.
+
+[Note: a leaked name scope] Keras's TensorFlow ``name_scope.__enter__`` pushes itself on Keras's
+global name-scope stack *before* it enters ``tf.name_scope``, and in graph mode TensorFlow
+refuses a root scope whose name starts with ``_`` (a layer named ``_x``, or the default name of a
+class ``_Block``). The ``with`` then never entered, so its ``__exit__`` never pops: every
+variable created after that in the process got the failed layer's name as a path prefix
+(``_block/d0/kernel``), which broke the next model's plan, tied-weight rules and checkpoint
+names. Plain Keras fails the same way in ``fit`` (the name is its limit), but tfsmp probes
+layers in scratch graphs and goes on when a probe fails, and a process may trace again after a
+refused model. So `deferred_scope`, which wraps every trace and probe, leaves the stack as it
+found it.
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ __all__ = ["deferred_scope", "is_deferred", "materialize", "release"]
 
 _GLOBAL_LIST = "uninitialized_variables"  # Keras's registry of deferred variables
 _SAVED = "_tfsmp_initializer"  # attribute keeping an initializer across materialize/release
+_NAME_SCOPES = "name_scope_stack"  # Keras's stack of open name scopes (variable paths)
 
 
 @contextmanager
@@ -64,14 +76,23 @@ def deferred_scope() -> Iterator[None]:
     """
     outermost = get_stateless_scope() is None
     before = {id(v) for v in _global_list()}
+    scopes = list(global_state.get_global_attribute(_NAME_SCOPES, None) or [])
     try:
         with keras.StatelessScope(initialize_variables=False):
             yield
     finally:
+        _restore_name_scopes(scopes)
         if outermost:
             # Off the global list, or the next top-level StatelessScope would allocate them all.
             kept = [v for v in _global_list() if id(v) in before]
             global_state.set_global_attribute(_GLOBAL_LIST, kept)
+
+
+def _restore_name_scopes(entered: list[Any]) -> None:
+    """Puts Keras's name-scope stack back as it was (see [Note: a leaked name scope])."""
+    stack = global_state.get_global_attribute(_NAME_SCOPES, None)
+    if stack is not None and stack != entered:
+        stack[:] = entered
 
 
 def is_deferred(variable: keras.Variable) -> bool:
