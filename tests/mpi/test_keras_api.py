@@ -20,6 +20,8 @@ CASES = [
     "case_nonfinite_raise_and_skip", "case_mixed_precision",
     "case_profile_and_post_partition_hook", "case_jit_compile_switches_xla",
     "case_layer_with_trainer_mixed_in", "case_a_bad_batch_fails_alike_where_a_replica_has_no_rows",
+    "case_tensorboard_logs_weights_as_keras",
+    "case_a_tensorboard_failing_while_it_logs_weights_fails_every_rank",
 ]
 
 
@@ -140,3 +142,28 @@ def test_jit_compile_compiles_the_stage_programs_with_xla(results: dict) -> None
         assert all(s["same"] for s in r["seen"]), r["seen"]
         assert [s["limit"] for s in r["seen"]] == [500.0, 501.0, 502.0]  # the config's, each step
         assert r["same_weights"]
+
+
+def test_tensorboard_logs_every_weight_as_plain_keras_at_two_partitions(results: dict) -> None:
+    """Weight histograms and images read every layer's weights, which no one pipeline rank
+    holds: rank 0's TensorBoard gets each layer's from the ranks that hold it, and the events
+    equal plain Keras's, tag for tag ([Note: TensorBoard's weights])."""
+    a, b = case_results(results, "case_tensorboard_logs_weights_as_keras")
+    assert a == b
+    assert a["weight_tags"] == 8 * 2  # 4 Dense layers' kernel and bias, histogram and image
+    assert a["missing"] == [] and a["extra"] == [], (a["missing"], a["extra"])
+    assert a["different"] == []
+    assert a["model_json_same"]  # the wrapped Functional's config, as plain Keras writes it
+    assert a["epochs_trained"] == 3
+    assert a["checkpoints"] == a["ref_checkpoints"] != []  # the projector's, epochs 0 and 2
+    assert a["epochs_seen"] == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_tensorboard_failing_on_rank_0_while_it_logs_weights_fails_every_rank(
+        results: dict) -> None:
+    a, b = case_results(results, "case_a_tensorboard_failing_while_it_logs_weights_fails_every_rank")
+    assert a["error"].startswith("RuntimeError: no image for h3/kernel/image"), a["error"]
+    assert b["error"].startswith("StepError: [rank 1"), b["error"]
+    assert "TensorBoard failed on world rank 0 while it logged the weights of epoch 0: " \
+           "RuntimeError: no image for h3/kernel/image" in b["error"], b["error"]
+    assert a["trained_after"] == b["trained_after"] == 1

@@ -20,18 +20,225 @@ tfsmp/checkpoint/keras_saving.py).
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import keras
+import numpy as np
 
-__all__ = ["LOG_WRITERS", "on_this_rank"]
+from tfsmp.errors import StepError
+
+__all__ = ["LOG_WRITERS", "TensorBoardPeer", "on_this_rank", "tensorboard_views"]
 
 LOG_WRITERS: tuple[type, ...] = (keras.callbacks.CSVLogger, keras.callbacks.RemoteMonitor,
                                  keras.callbacks.TensorBoard)
 
 
-def on_this_rank(callbacks: list[Any], rank: int) -> list[Any]:
-    """``callbacks`` less the log writers on every world rank but 0."""
+def on_this_rank(callbacks: list[Any], rank: int, model: Any = None, world: Any = None,
+                 partitions: int = 1) -> list[Any]:
+    """``callbacks`` less the log writers on every world rank but 0; at partitions > 1 a
+    TensorBoard that logs weights leaves a `TensorBoardPeer` in its place ([Note:
+    TensorBoard's weights])."""
     if rank == 0:
         return list(callbacks)
-    return [c for c in callbacks if not isinstance(c, LOG_WRITERS)]
+    out = []
+    for c in callbacks:
+        if partitions > 1 and _logs_weights(c):
+            out.append(TensorBoardPeer(c, model, world))
+        elif not isinstance(c, LOG_WRITERS):
+            out.append(c)
+    return out
+
+
+# -- TensorBoard's weights ---------------------------------------------------------------------
+#
+# [Note: TensorBoard's weights] Keras's TensorBoard logs weight histograms (``histogram_freq``),
+# weight images (``write_images``) and an embeddings projector (``embeddings_freq``) at the end
+# of the epochs it is asked to, by reading every layer's weights (``self.model.layers``, each
+# ``layer.weights``) and, for the projector, by ``self.model.save_weights``. At partitions > 1
+# world rank 0, the one rank that runs TensorBoard ([Note: one writer of the logs]), holds only
+# its own stages' weights. So for those epochs the other ranks run a peer at TensorBoard's place
+# in their callback list, and rank 0's TensorBoard runs Keras's own ``_log_weights`` on a view of
+# the model whose layers' ``weights`` are the values gathered for that layer alone from the ranks
+# that hold them (the lowest world rank holding a variable sends it): a layer at a time, so rank
+# 0 never holds the whole model, and the event file has the tags and values plain Keras writes.
+# The projector's ``save_weights`` is already collective: the peers call it too. A failure on
+# rank 0 in between ends the peers' loop with that error, so no rank waits for a request that
+# never comes.
+
+_STOP, _WEIGHTS = "stop", "weights"
+
+
+def _logs_weights_at(board: Any, epoch: int) -> tuple[bool, bool]:
+    """Whether ``board`` logs weights, and the projector's weights, at the end of ``epoch``
+    (Keras's TensorBoard.on_epoch_end conditions)."""
+    hist, emb = board.histogram_freq, board.embeddings_freq
+    return bool(hist and epoch % hist == 0), bool(emb and epoch % emb == 0)
+
+
+def _logs_weights(board: Any) -> bool:
+    return isinstance(board, keras.callbacks.TensorBoard) and bool(
+        board.histogram_freq or board.embeddings_freq)
+
+
+class _Owners:
+    """Which world rank sends each variable of the model (the lowest one holding it)."""
+
+    def __init__(self, model: Any, world: Any) -> None:
+        self.model, self.world = model, world
+        self.variables = model.model_weights()
+        self.index = {id(v): i for i, v in enumerate(self.variables)}
+        owned = model.held_weights()
+        sender: dict[int, int] = {}
+        for rank, held in enumerate(world.allgather_obj(sorted(owned))):
+            for i in held:
+                sender.setdefault(i, rank)
+        self.sender = sender
+
+    def send(self, indices: list[int]) -> None:
+        """A peer's part of one request: the values it is the sender of."""
+        rank = self.world.rank
+        mine = {i: self.variables[i].numpy() for i in indices if self.sender.get(i) == rank}
+        if mine:
+            self.world.send_obj(mine, 0, _TAG)
+
+
+_TAG = 7301  # the gathered weights' messages on the world communicator
+
+
+class _Weight(np.ndarray):
+    """A gathered weight's value, with the variable's ``path`` (what TensorBoard names it by)."""
+
+    path: str
+
+
+class _LayerView:
+    """A layer whose ``weights`` are their gathered values; everything else is the layer's."""
+
+    def __init__(self, layer: Any, gather: Callable[[list[Any]], list[_Weight]]) -> None:
+        self._layer, self._gather = layer, gather
+
+    @property
+    def weights(self) -> list[_Weight]:
+        return self._gather(self._layer.weights)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._layer, name)
+
+
+class _ModelView:
+    """The model as rank 0's TensorBoard reads it while it logs weights."""
+
+    def __init__(self, model: Any, gather: Any) -> None:
+        self._model, self._gather = model, gather
+
+    @property
+    def layers(self) -> list[_LayerView]:
+        return [_LayerView(layer, self._gather) for layer in self._model.layers]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def _gatherer(owners: _Owners) -> Any:
+    world = owners.world
+
+    def gather(variables: list[Any]) -> list[_Weight]:
+        wanted = [owners.index.get(id(v)) for v in variables]
+        remote = sorted({i for i in wanted if i is not None and owners.sender.get(i, 0) != 0})
+        got: dict[int, np.ndarray] = {}
+        if remote:
+            world.bcast_obj((_WEIGHTS, remote), root=0)
+            for rank in sorted({owners.sender[i] for i in remote}):
+                got.update(world.recv_obj(rank, _TAG))
+        out = []
+        for v, i in zip(variables, wanted):
+            value = np.asarray(got[i] if i in got else v.numpy()).view(_Weight)
+            value.path = v.path
+            out.append(value)
+        return out
+
+    return gather
+
+
+class TensorBoardPeer(keras.callbacks.Callback):  # type: ignore[misc]
+    """Stands at a weight-logging TensorBoard's place on the ranks that do not run it, and
+    serves its weights to world rank 0 ([Note: TensorBoard's weights])."""
+
+    def __init__(self, board: Any, model: Any, world: Any) -> None:
+        super().__init__()
+        self.board, self.dm, self.world = board, model, world
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        weights, projector = _logs_weights_at(self.board, epoch)
+        if weights:
+            owners = _Owners(self.dm, self.world)
+            while True:
+                kind, body = self.world.bcast_obj(None, root=0)
+                if kind == _STOP:
+                    if body is not None:
+                        raise StepError(
+                            f"[{self.dm.runtime_state().tag()}] TensorBoard failed on world "
+                            f"rank 0 while it logged the weights of epoch {epoch}: {body}")
+                    break
+                owners.send(body)
+        if projector:
+            self.dm.save_weights(os.path.join(tempfile.gettempdir(), "unused.weights.h5"))
+
+
+@contextmanager
+def tensorboard_views(callbacks: list[Any], model: Any, world: Any,
+                      partitions: int) -> Iterator[None]:
+    """On world rank 0, for the block: each TensorBoard of ``callbacks`` writes the user's
+    model's graph summary, and at partitions > 1 reads the weights it logs through the ranks
+    that hold them ([Note: TensorBoard's weights]). Elsewhere does nothing."""
+    boards = ([c for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)]
+              if world.rank == 0 else [])
+    # Keras's TensorBoard reads its model as ``self.model``, which returns ``_model``; these
+    # are its own methods, run unchanged on another model (noqa: SLF001 for its names)
+    for board in boards:
+        board._write_keras_model_summary = _summary(board, model)  # noqa: SLF001
+        if partitions > 1 and _logs_weights(board):
+            board._log_weights = _logging(board, model, world)  # noqa: SLF001
+    try:
+        yield
+    finally:
+        for board in boards:
+            board.__dict__.pop("_log_weights", None)
+            board.__dict__.pop("_write_keras_model_summary", None)
+
+
+def _summary(board: Any, model: Any) -> Callable[[], None]:
+    """Keras writes the model's config as the graph dashboard's conceptual graph for a
+    Functional or Sequential model only, by its class's name; the `DistributedModel` is
+    neither, so the wrapped model takes its place (the same JSON as plain Keras's)."""
+
+    def write_keras_model_summary() -> None:
+        kept = board._model  # noqa: SLF001
+        board._model = model.source_model()  # noqa: SLF001
+        try:
+            type(board)._write_keras_model_summary(board)  # noqa: SLF001
+        finally:
+            board._model = kept  # noqa: SLF001
+
+    return write_keras_model_summary
+
+
+def _logging(board: Any, model: Any, world: Any) -> Callable[[int], None]:
+    def log_weights(epoch: int) -> None:
+        owners = _Owners(model, world)
+        kept, error = board._model, None  # noqa: SLF001
+        board._model = _ModelView(kept, _gatherer(owners))  # noqa: SLF001
+        try:
+            type(board)._log_weights(board, epoch)  # noqa: SLF001
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            board._model = kept  # noqa: SLF001
+            world.bcast_obj((_STOP, error), root=0)
+
+    return log_weights

@@ -43,8 +43,8 @@ from keras.src.trainers.trainer import Trainer
 from tfsmp.comm import collective_label
 from tfsmp.errors import StepError
 from tfsmp.keras.data import agree_shuffle_seed, sampler
-from tfsmp.keras.log_writers import on_this_rank
-from tfsmp.keras.overrides import check_callbacks, check_overrides, check_trainable
+from tfsmp.keras.log_writers import on_this_rank, tensorboard_views
+from tfsmp.keras.overrides import check_overrides, check_trainable
 
 if TYPE_CHECKING:
     from tfsmp.core import State
@@ -184,6 +184,22 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             dims = [shape[1:] for shape in engine.output_shapes(x)]
         return traced.pack_outputs(
             [_dry_zeros(rows, d, info.dtype) for d, info in zip(dims, infos)])
+
+    # -- the user's model as Keras code reads it -----------------------------------------------
+
+    @property
+    def layers(self) -> list[Any]:
+        """The wrapped model's `layers`, as a callback's ``self.model.layers`` (TensorBoard's
+        weights and embeddings, a user's callback) and `get_layer` find them on the user's
+        model in plain Keras; a `DistributedModel` subclass has its own."""
+        wrapped = self.__dict__.get("_wrapped")
+        if wrapped is not None and isinstance(wrapped, keras.Model):
+            return list(wrapped.layers)
+        return list(keras.Model.layers.fget(self))
+
+    @layers.setter
+    def layers(self, value: Any) -> None:
+        keras.Model.layers.fset(self, value)  # Keras's: the name is reserved
 
     # -- the rank's own variables after partitioning -------------------------------------------
 
@@ -474,16 +490,16 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._check_compiled()
         check_overrides(self, "fit", rank_tag=self._rank_tag())
         agree_shuffle_seed(self._state.comm.world)
-        check_callbacks(fit_resume.user_callbacks(callbacks),
-                        pipeline_ranks=self._state.config.partitions, rank_tag=self._rank_tag())
+        user = fit_resume.user_callbacks(callbacks)
+        world, parts = self._state.comm.world, self._state.config.partitions
         wrapped = fit_resume.fit_callbacks(  # [Note: one writer of the logs]
             self, sampler(x, batch_size),
-            on_this_rank(fit_resume.user_callbacks(callbacks), self._state.rank))
-        self._terminate_on_nan = any(isinstance(c, keras.callbacks.TerminateOnNaN)
-                                     for c in fit_resume.user_callbacks(callbacks))
+            on_this_rank(user, self._state.rank, self, world, parts))
+        self._terminate_on_nan = any(isinstance(c, keras.callbacks.TerminateOnNaN) for c in user)
         try:
-            history = super().fit(x, y, batch_size, epochs, self._rank_verbose(verbose),
-                                  wrapped, **kwargs)
+            with tensorboard_views(user, self, world, parts):  # [Note: TensorBoard's weights]
+                history = super().fit(x, y, batch_size, epochs, self._rank_verbose(verbose),
+                                      wrapped, **kwargs)
         finally:
             self.resume_at(None, 0)
             self._terminate_on_nan = False
@@ -599,6 +615,17 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def _owned(self) -> set[int]:
         mine = {id(v) for v in self._view().held_variables().values()}
         return {i for i, v in enumerate(self._all_variables()) if id(v) in mine}
+
+    def model_weights(self) -> list[Any]:
+        """Every weight of the whole model, in `get_weights`'s order (after partitioning this
+        rank holds the values of those `held_weights` names only)."""
+        return self._all_variables()
+
+    def held_weights(self) -> set[int]:
+        """The indices in `model_weights` of the weights this rank holds."""
+        if self._engine is None:
+            return set(range(len(self._all_variables())))
+        return self._owned()
 
     @collective_label("DistributedModel.get_weights")
     def get_weights(self) -> list[np.ndarray]:

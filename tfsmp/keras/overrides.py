@@ -23,7 +23,7 @@ import keras
 
 from tfsmp.errors import StepError
 
-__all__ = ["HOOKS", "check_callbacks", "check_overrides", "check_trainable"]
+__all__ = ["HOOKS", "check_overrides", "check_trainable"]
 
 # hook -> (the entry points it belongs to, why a pipeline cannot run it, what to do instead)
 HOOKS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -143,30 +143,3 @@ def check_trainable(model: Any, *, pipeline_ranks: int, parts: int, rank_tag: st
             f"batch's, which a batch split into microbatches or replicas cannot do. Received: "
             f"stateful layer(s) {stateful} with {parts} parts per batch (microbatches × data "
             f"replicas). Fix: microbatches=1 and one replica per stage, or stateful=False.")
-
-
-def check_callbacks(callbacks: list[Any], *, pipeline_ranks: int, rank_tag: str = "") -> None:
-    """Refuses a callback that reads every layer's weights on every rank, which a partitioned
-    model cannot give ([Note: what a pipeline cannot train]): TensorBoard's weight histograms,
-    weight images and embeddings projector. Its scalars, graphs and profiles work.
-
-    Raises:
-        StepError: naming the callback's options and the way out.
-    """
-    if pipeline_ranks <= 1:
-        return
-    for c in callbacks:
-        if not isinstance(c, keras.callbacks.TensorBoard):
-            continue
-        asked = {name: getattr(c, name, 0) for name in ("histogram_freq", "write_images",
-                                                          "embeddings_freq")}
-        used = {k: v for k, v in asked.items() if v}
-        if used:
-            options = ", ".join(f"{k}={v!r}" for k, v in used.items())
-            raise StepError(
-                f"{rank_tag} TensorBoard's weight histograms, weight images and embeddings "
-                f"read every layer's weights on every rank, but each pipeline rank holds only "
-                f"its own stages' weights. Received: TensorBoard({options}) with "
-                f"partitions={pipeline_ranks}. Fix: histogram_freq=0, write_images=False, "
-                f"embeddings_freq=0 (scalars, graphs and profiles work), or log weights after "
-                f"training from model.get_weights(), which gathers them.")

@@ -337,3 +337,127 @@ def case_a_bad_batch_fails_alike_where_a_replica_has_no_rows(ctx: object) -> dic
             errors.append("per-sample shape" if "per-sample shape" in str(e) else str(e)[:200])
     history = dm.fit(x, y, batch_size=4, epochs=1, verbose=0, validation_data=(x, y))
     return {"errors": errors, "val_loss": "val_loss" in history.history}
+
+
+def _summaries(logdir: str) -> dict[str, np.ndarray]:
+    """Every tensor summary of the events files under ``logdir``, by ``'tag@step'``."""
+    out: dict[str, np.ndarray] = {}
+    for root, _, files in os.walk(logdir):
+        for f in files:
+            if "tfevents" not in f:
+                continue
+            for event in tf.compat.v1.train.summary_iterator(os.path.join(root, f)):
+                for v in event.summary.value:
+                    key = f"{os.path.relpath(root, logdir)}/{v.tag}@{event.step}"
+                    out[key] = tf.make_ndarray(v.tensor) if v.HasField("tensor") else np.zeros(0)
+    return out
+
+
+def _model_json(summaries: dict[str, np.ndarray]) -> object:
+    """The class and config of the model summary TensorBoard wrote (its compile config names
+    an optimizer made second in this process 'sgd_1')."""
+    import json
+
+    found = summaries.get("train/keras@0")
+    if found is None:
+        return None
+    model = json.loads(found.item())
+    return [model["class_name"], model["config"]]
+
+
+def _same_summary(got: np.ndarray, want: np.ndarray) -> bool:
+    """A histogram's buckets to the equality tolerance; an image's pixels within one level
+    (a summary image is [width, height, PNG...])."""
+    if got.dtype != object:
+        return got.shape == want.shape and bool(np.allclose(got, want, rtol=1e-4, atol=1e-5))
+    if got.shape != want.shape or list(got[:2]) != list(want[:2]):
+        return False
+    for a, b in zip(got[2:], want[2:]):
+        pa, pb = (tf.io.decode_png(v).numpy().astype(np.int32) for v in (a, b))
+        if pa.shape != pb.shape or np.abs(pa - pb).max() > 1:
+            return False
+    return True
+
+
+def case_tensorboard_logs_weights_as_keras(ctx: object) -> dict[str, object]:
+    """TensorBoard's weight histograms, weight images and projector checkpoint at partitions 2:
+    the events plain Keras writes ([Note: TensorBoard's weights] in tfsmp/keras/log_writers.py)."""
+    import shutil
+    import tempfile
+
+    _init()
+    x, y = _data()
+    ref, dm = _pair()
+    root = tfsmp.allgather(tempfile.mkdtemp(prefix="tbw-") if tfsmp.rank() == 0 else None)[0]
+    try:
+        def board(name: str) -> keras.callbacks.TensorBoard:
+            return keras.callbacks.TensorBoard(os.path.join(root, name), histogram_freq=1,
+                                               write_images=True, embeddings_freq=2)
+
+        ref_board = board("plain")
+        if tfsmp.rank() == 0:
+            ref.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                    callbacks=[ref_board])
+        # the TensorBoard between two callbacks, as a user's list has it
+        seen: list[int] = []
+        note = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(e))
+        h = dm.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                   callbacks=[note, board("tfsmp"), note])
+        tfsmp.barrier()
+        result: dict[str, object] = {}
+        if tfsmp.rank() == 0:
+            want = _summaries(os.path.join(root, "plain"))
+            got = _summaries(os.path.join(root, "tfsmp"))
+            weights = sorted(k for k in want if k.endswith(("/histogram@1", "/image@2")))
+            ckpt = [os.path.relpath(os.path.join(r, f), root) for r, _, fs in os.walk(root)
+                    for f in fs if f.endswith(".weights.h5")]
+            result = {
+                "weight_tags": len(weights),
+                "missing": sorted(set(want) - set(got)),
+                "extra": sorted(set(got) - set(want)),
+                "different": sorted(k for k in want if k in got and k.split("@")[0].endswith(
+                    ("/histogram", "/image")) and not _same_summary(got[k], want[k])),
+                # the graph dashboard's conceptual graph: the model's config as JSON
+                "model_json_same": _model_json(got) == _model_json(want) is not None,
+                "checkpoints": sorted(c.split(os.sep, 1)[1] for c in ckpt
+                                      if c.startswith("tfsmp")),
+                "ref_checkpoints": sorted(c.split(os.sep, 1)[1] for c in ckpt
+                                          if c.startswith("plain")),
+            }
+        result = tfsmp.allgather(result)[0]
+        result["epochs_seen"] = seen
+        result["epochs_trained"] = len(h.history["loss"])
+        return result
+    finally:
+        if tfsmp.rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def case_a_tensorboard_failing_while_it_logs_weights_fails_every_rank(ctx: object) -> dict[str, object]:
+    """Rank 0's TensorBoard fails halfway through the weights the other ranks serve: every rank
+    raises (the peers with rank 0's error), none waits for a request that never comes."""
+    import shutil
+    import tempfile
+
+    class Broken(keras.callbacks.TensorBoard):  # type: ignore[misc]
+        def _log_weight_as_image(self, weight: object, name: str, epoch: int) -> None:
+            if "h3" in name:
+                raise RuntimeError(f"no image for {name}")
+
+    _init()
+    x, y = _data()
+    _, dm = _pair()
+    root = tfsmp.allgather(tempfile.mkdtemp(prefix="tbf-") if tfsmp.rank() == 0 else None)[0]
+    try:
+        board = Broken(root, histogram_freq=1, write_images=True)
+        try:
+            dm.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[board])
+            error = ""
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        # the job goes on: the ranks still meet, and train
+        loss = dm.fit(x, y, batch_size=16, epochs=1, verbose=0).history["loss"]
+        return {"error": error, "trained_after": len(loss)}
+    finally:
+        if tfsmp.rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
