@@ -60,23 +60,27 @@ def on_this_rank(callbacks: list[Any], rank: int, model: Any = None, world: Any 
 # of the epochs it is asked to, by reading every layer's weights (``self.model.layers``, each
 # ``layer.weights``) and, for the projector, by ``self.model.save_weights``. At partitions > 1
 # world rank 0, the one rank that runs TensorBoard ([Note: one writer of the logs]), holds only
-# its own stages' weights. So for those epochs the other ranks run a peer at TensorBoard's place
-# in their callback list, and rank 0's TensorBoard runs Keras's own ``_log_weights`` on a view of
-# the model whose layers' ``weights`` are the values gathered for that layer alone from the ranks
-# that hold them (the lowest world rank holding a variable sends it): a layer at a time, so rank
-# 0 never holds the whole model, and the event file has the tags and values plain Keras writes.
-# The projector's ``save_weights`` is already collective: the peers call it too. A failure on
-# rank 0 in between ends the peers' loop with that error, so no rank waits for a request that
-# never comes.
+# its own stages' weights. So at those epochs the other ranks run a `TensorBoardPeer` at
+# TensorBoard's place in their callback list, and rank 0's TensorBoard runs Keras's own
+# ``on_epoch_end`` with its model seen through a view whose layers' ``weights`` are the values
+# gathered for that layer alone from the ranks that hold them (the lowest world rank holding a
+# variable sends it): a layer at a time, so rank 0 never holds the whole model, and the events
+# file has the tags and values plain Keras writes. The projector's ``save_weights`` is
+# collective; rank 0 asks the peers to join it. Rank 0 ends every such epoch with a stop
+# message that carries its error, if any (raised anywhere in TensorBoard's ``on_epoch_end``), so
+# a peer never waits for a request that will not come and fails with rank 0's error, and a
+# peer whose part failed (a failed save) still waits for the stop, so no message is left over
+# to meet a later collective.
 
-_STOP, _WEIGHTS = "stop", "weights"
+_STOP, _WEIGHTS, _SAVE = "stop", "weights", "save"
+_TAG = 7301  # the gathered weights' messages on the world communicator
 
 
-def _logs_weights_at(board: Any, epoch: int) -> tuple[bool, bool]:
-    """Whether ``board`` logs weights, and the projector's weights, at the end of ``epoch``
-    (Keras's TensorBoard.on_epoch_end conditions)."""
+def _logs_weights_at(board: Any, epoch: int) -> bool:
+    """Whether ``board`` reads the model's weights at the end of ``epoch`` (the conditions of
+    Keras's TensorBoard.on_epoch_end for histograms, images and the projector)."""
     hist, emb = board.histogram_freq, board.embeddings_freq
-    return bool(hist and epoch % hist == 0), bool(emb and epoch % emb == 0)
+    return bool((hist and epoch % hist == 0) or (emb and epoch % emb == 0))
 
 
 def _logs_weights(board: Any) -> bool:
@@ -85,15 +89,15 @@ def _logs_weights(board: Any) -> bool:
 
 
 class _Owners:
-    """Which world rank sends each variable of the model (the lowest one holding it)."""
+    """Which world rank sends each weight of the model (the lowest one holding it). Made on
+    every world rank alike (an allgather)."""
 
     def __init__(self, model: Any, world: Any) -> None:
         self.model, self.world = model, world
         self.variables = model.model_weights()
         self.index = {id(v): i for i, v in enumerate(self.variables)}
-        owned = model.held_weights()
         sender: dict[int, int] = {}
-        for rank, held in enumerate(world.allgather_obj(sorted(owned))):
+        for rank, held in enumerate(world.allgather_obj(sorted(model.held_weights()))):
             for i in held:
                 sender.setdefault(i, rank)
         self.sender = sender
@@ -105,8 +109,21 @@ class _Owners:
         if mine:
             self.world.send_obj(mine, 0, _TAG)
 
-
-_TAG = 7301  # the gathered weights' messages on the world communicator
+    def gather(self, variables: list[Any]) -> list[_Weight]:
+        """Rank 0's side: the values of ``variables``, asked of the ranks that send them."""
+        wanted = [self.index.get(id(v)) for v in variables]
+        remote = sorted({i for i in wanted if i is not None and self.sender.get(i, 0) != 0})
+        got: dict[int, np.ndarray] = {}
+        if remote:
+            self.world.bcast_obj((_WEIGHTS, remote), root=0)
+            for rank in sorted({self.sender[i] for i in remote}):
+                got.update(self.world.recv_obj(rank, _TAG))
+        out = []
+        for v, i in zip(variables, wanted):
+            value = np.asarray(got[i] if i in got else v.numpy()).view(_Weight)
+            value.path = v.path
+            out.append(value)
+        return out
 
 
 class _Weight(np.ndarray):
@@ -118,50 +135,33 @@ class _Weight(np.ndarray):
 class _LayerView:
     """A layer whose ``weights`` are their gathered values; everything else is the layer's."""
 
-    def __init__(self, layer: Any, gather: Callable[[list[Any]], list[_Weight]]) -> None:
-        self._layer, self._gather = layer, gather
+    def __init__(self, layer: Any, owners: _Owners) -> None:
+        self._layer, self._owners = layer, owners
 
     @property
     def weights(self) -> list[_Weight]:
-        return self._gather(self._layer.weights)
+        return self._owners.gather(self._layer.weights)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._layer, name)
 
 
 class _ModelView:
-    """The model as rank 0's TensorBoard reads it while it logs weights."""
+    """The model as rank 0's TensorBoard reads it at an epoch that logs weights."""
 
-    def __init__(self, model: Any, gather: Any) -> None:
-        self._model, self._gather = model, gather
+    def __init__(self, model: Any, owners: _Owners) -> None:
+        self._model, self._owners = model, owners
 
     @property
     def layers(self) -> list[_LayerView]:
-        return [_LayerView(layer, self._gather) for layer in self._model.layers]
+        return [_LayerView(layer, self._owners) for layer in self._model.layers]
+
+    def save_weights(self, filepath: str, *args: Any, **kwargs: Any) -> None:
+        self._owners.world.bcast_obj((_SAVE, None), root=0)
+        self._model.save_weights(filepath, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
-
-
-def _gatherer(owners: _Owners) -> Any:
-    world = owners.world
-
-    def gather(variables: list[Any]) -> list[_Weight]:
-        wanted = [owners.index.get(id(v)) for v in variables]
-        remote = sorted({i for i in wanted if i is not None and owners.sender.get(i, 0) != 0})
-        got: dict[int, np.ndarray] = {}
-        if remote:
-            world.bcast_obj((_WEIGHTS, remote), root=0)
-            for rank in sorted({owners.sender[i] for i in remote}):
-                got.update(world.recv_obj(rank, _TAG))
-        out = []
-        for v, i in zip(variables, wanted):
-            value = np.asarray(got[i] if i in got else v.numpy()).view(_Weight)
-            value.path = v.path
-            out.append(value)
-        return out
-
-    return gather
 
 
 class TensorBoardPeer(keras.callbacks.Callback):  # type: ignore[misc]
@@ -173,20 +173,27 @@ class TensorBoardPeer(keras.callbacks.Callback):  # type: ignore[misc]
         self.board, self.dm, self.world = board, model, world
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        weights, projector = _logs_weights_at(self.board, epoch)
-        if weights:
-            owners = _Owners(self.dm, self.world)
-            while True:
-                kind, body = self.world.bcast_obj(None, root=0)
-                if kind == _STOP:
-                    if body is not None:
-                        raise StepError(
-                            f"[{self.dm.runtime_state().tag()}] TensorBoard failed on world "
-                            f"rank 0 while it logged the weights of epoch {epoch}: {body}")
-                    break
-                owners.send(body)
-        if projector:
-            self.dm.save_weights(os.path.join(tempfile.gettempdir(), "unused.weights.h5"))
+        if not _logs_weights_at(self.board, epoch):
+            return
+        owners = _Owners(self.dm, self.world)
+        failed: BaseException | None = None
+        while True:
+            kind, body = self.world.bcast_obj(None, root=0)
+            if kind == _STOP:
+                break
+            try:
+                if kind == _WEIGHTS:
+                    owners.send(body)
+                else:  # the projector's checkpoint: world rank 0 writes it
+                    self.dm.save_weights(os.path.join(tempfile.gettempdir(), "unused.weights.h5"))
+            except Exception as e:  # told after the stop: rank 0 ends the exchange
+                failed = failed or e
+        if failed is not None:
+            raise failed
+        if body is not None:
+            raise StepError(
+                f"[{self.dm.runtime_state().tag()}] TensorBoard failed on world rank 0 at the "
+                f"end of epoch {epoch}, while it logged the model's weights: {body}")
 
 
 @contextmanager
@@ -202,12 +209,12 @@ def tensorboard_views(callbacks: list[Any], model: Any, world: Any,
     for board in boards:
         board._write_keras_model_summary = _summary(board, model)  # noqa: SLF001
         if partitions > 1 and _logs_weights(board):
-            board._log_weights = _logging(board, model, world)  # noqa: SLF001
+            board.on_epoch_end = _epoch_end(board, model, world)
     try:
         yield
     finally:
         for board in boards:
-            board.__dict__.pop("_log_weights", None)
+            board.__dict__.pop("on_epoch_end", None)
             board.__dict__.pop("_write_keras_model_summary", None)
 
 
@@ -227,13 +234,16 @@ def _summary(board: Any, model: Any) -> Callable[[], None]:
     return write_keras_model_summary
 
 
-def _logging(board: Any, model: Any, world: Any) -> Callable[[int], None]:
-    def log_weights(epoch: int) -> None:
+def _epoch_end(board: Any, model: Any, world: Any) -> Callable[..., None]:
+    def on_epoch_end(epoch: int, logs: Any = None) -> None:
+        if not _logs_weights_at(board, epoch):
+            type(board).on_epoch_end(board, epoch, logs)
+            return
         owners = _Owners(model, world)
         kept, error = board._model, None  # noqa: SLF001
-        board._model = _ModelView(kept, _gatherer(owners))  # noqa: SLF001
+        board._model = _ModelView(kept, owners)  # noqa: SLF001
         try:
-            type(board)._log_weights(board, epoch)  # noqa: SLF001
+            type(board).on_epoch_end(board, epoch, logs)
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
             raise
@@ -241,4 +251,4 @@ def _logging(board: Any, model: Any, world: Any) -> Callable[[int], None]:
             board._model = kept  # noqa: SLF001
             world.bcast_obj((_STOP, error), root=0)
 
-    return log_weights
+    return on_epoch_end
