@@ -157,6 +157,13 @@ def test_tensorboard_logs_every_weight_as_plain_keras_at_two_partitions(results:
     assert a["epochs_trained"] == 3
     assert a["checkpoints"] == a["ref_checkpoints"] != []  # the projector's, epochs 0 and 2
     assert a["checkpoints_same"]  # the whole model's weights, as plain Keras's checkpoint
+    # evaluate(callbacks=[TensorBoard]) writes one events file of the evaluation, as plain
+    # Keras (every rank wrote its own, [Note: one writer of the logs]), beside the model's
+    # summary (train); predict writes only that summary
+    assert a["eval_files"]["tfsmp_eval"] == a["eval_files"]["plain_eval"] == ["train",
+                                                                              "validation"]
+    assert a["eval_same"]
+    assert a["eval_files"]["tfsmp_predict"] == ["train"]
     assert a["epochs_seen"] == [0, 0, 1, 1, 2, 2]
 
 

@@ -513,9 +513,10 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         """Keras's `evaluate`, unchanged: the logs on every rank."""
         from tfsmp.keras.trainer_steps import agree_finished
 
-        inside_fit = bool(kwargs.get("_use_cached_eval_dataset"))
-        logs = super().evaluate(x, y, batch_size, self._rank_verbose(verbose), sample_weight,
-                                steps, callbacks, return_dict, **kwargs)
+        inside_fit = bool(kwargs.get("_use_cached_eval_dataset"))  # fit's callbacks as they are
+        with self._log_writers(callbacks, inside_fit) as callbacks:
+            logs = super().evaluate(x, y, batch_size, self._rank_verbose(verbose), sample_weight,
+                                    steps, callbacks, return_dict, **kwargs)
         if not inside_fit:
             agree_finished(self, "evaluate")
         return logs
@@ -526,9 +527,25 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         """Keras's `predict`, unchanged: the outputs on every rank."""
         from tfsmp.keras.trainer_steps import agree_finished
 
-        out = super().predict(x, batch_size, self._rank_verbose(verbose), steps, callbacks)
+        with self._log_writers(callbacks, False) as callbacks:
+            out = super().predict(x, batch_size, self._rank_verbose(verbose), steps, callbacks)
         agree_finished(self, "predict")
         return out
+
+    @contextlib.contextmanager
+    def _log_writers(self, callbacks: Any, inside_fit: bool) -> Iterator[Any]:
+        """The callbacks of an `evaluate` or `predict` on this rank: the log writers on world
+        rank 0 only, TensorBoard's model summary the wrapped model's ([Note: one writer of the
+        logs]); evaluate inside `fit` gets fit's, already so."""
+        if inside_fit or not callbacks:
+            yield callbacks
+            return
+        from tfsmp.checkpoint import fit_resume
+
+        state = self.runtime_state()
+        user = fit_resume.user_callbacks(callbacks)
+        with tensorboard_views(user, self, state.comm.world, 1):  # no epoch ends: no weights
+            yield on_this_rank(user, state.rank)
 
     @property
     def metrics(self) -> list[Any]:

@@ -418,6 +418,14 @@ def case_tensorboard_logs_weights_as_keras(ctx: object) -> dict[str, object]:
         note = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(e))
         h = dm.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
                    callbacks=[note, board("tfsmp"), note])
+        # evaluate's and predict's callbacks: TensorBoard writes the evaluation's scalars once
+        if tfsmp.rank() == 0:
+            ref.evaluate(x, y, batch_size=16, verbose=0,
+                         callbacks=[keras.callbacks.TensorBoard(os.path.join(root, "plain_eval"))])
+        dm.evaluate(x, y, batch_size=16, verbose=0,
+                    callbacks=[keras.callbacks.TensorBoard(os.path.join(root, "tfsmp_eval"))])
+        dm.predict(x, batch_size=16, verbose=0,
+                   callbacks=[keras.callbacks.TensorBoard(os.path.join(root, "tfsmp_predict"))])
         tfsmp.barrier()
         result: dict[str, object] = {}
         if tfsmp.rank() == 0:
@@ -438,6 +446,12 @@ def case_tensorboard_logs_weights_as_keras(ctx: object) -> dict[str, object]:
                                       if c.startswith("tfsmp")),
                 "ref_checkpoints": sorted(c.split(os.sep, 1)[1] for c in ckpt
                                           if c.startswith("plain")),
+                "eval_files": {name: sorted(os.path.relpath(os.path.join(r, f), root)
+                                            .split(os.sep)[1] for r, _, fs in
+                                            os.walk(os.path.join(root, name)) for f in fs)
+                               for name in ("plain_eval", "tfsmp_eval", "tfsmp_predict")},
+                "eval_same": sorted(_summaries(os.path.join(root, "tfsmp_eval")))
+                == sorted(_summaries(os.path.join(root, "plain_eval"))),
                 "checkpoints_same": all(
                     _same_arrays(os.path.join(root, "tfsmp", c.split(os.sep, 1)[1]),
                                  os.path.join(root, c)) for c in ckpt if c.startswith("plain")),
