@@ -35,8 +35,16 @@ NAME_MODULE = "bench_bytes_per_param"
 def settings(quick: bool) -> dict[str, Any]:
     return {"width": int(os.environ.get("TFSMP_BENCH_WIDTH", 4096)),
             "layers": int(os.environ.get("TFSMP_BENCH_LAYERS", 4)), "batch": 8,
-            "partitions": 2, "microbatches": [1, 2, 4, 8], "optimizers": ["adam", "sgd"],
-            "steps": 2 if quick else 3}
+            "partitions": 2, "microbatches": _ints("TFSMP_BENCH_MICROBATCHES", [1, 2, 4, 8]),
+            "optimizers": os.environ.get("TFSMP_BENCH_OPTIMIZERS", "adam,sgd").split(","),
+            "steps": 2 if quick else 3,
+            # TFSMP_BENCH_JIT=1: plain Keras and tfsmp both compile with jit_compile=True
+            "jit": os.environ.get("TFSMP_BENCH_JIT") == "1"}
+
+
+def _ints(name: str, default: list[int]) -> list[int]:
+    found = os.environ.get(name)
+    return [int(v) for v in found.split(",")] if found else default
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -96,7 +104,7 @@ def trial(args: dict[str, Any]) -> dict[str, Any]:
     keras.utils.set_random_seed(0)
     if p == 1:  # plain Keras, one process
         model = tfhelp.dense_stack(width, layers)
-        model.compile(optimizer=args["optimizer"], loss="mse")
+        model.compile(optimizer=args["optimizer"], loss="mse", jit_compile=args.get("jit", False))
         model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
         return {"ranks": [{"peak": peak_bytes() or 0, "params": model.count_params(),
                            "layers": layers}]}
@@ -104,7 +112,7 @@ def trial(args: dict[str, Any]) -> dict[str, Any]:
     with tfsmp.deferred_init():
         source = tfhelp.dense_stack(width, p * layers)
     model = smp.DistributedModel(source)
-    model.compile(optimizer=args["optimizer"], loss="mse")
+    model.compile(optimizer=args["optimizer"], loss="mse", jit_compile=args.get("jit", False))
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     stage = smp.mp_rank()
     mine = {"peak": peak_bytes() or 0, "layers": len(model.plan.layers(stage)),
@@ -125,7 +133,8 @@ def per_param(rank: dict[str, Any], base: int) -> float:
 def summarize(result: dict[str, Any]) -> list[str]:
     s, base = result["settings"], result["baseline"]
     lines = [f"Dense({s['width']}) stack, {s['layers']} layers per rank, p = {s['partitions']}, "
-             f"batch {s['batch']}, optimize memory, 1F1B, {s['steps']} steps; bytes per "
+             f"batch {s['batch']}, optimize memory, 1F1B, {s['steps']} steps"
+             + (", jit_compile=True (XLA) in both" if s.get("jit") else "") + "; bytes per "
              f"parameter = (cgroup peak - baseline {base / 2**20:.0f} MiB) / parameters held.", "",
              "| optimizer | m | plain Keras | " + " | ".join(
                  f"rank {r}" for r in range(s["partitions"])) + " | worst / plain |",

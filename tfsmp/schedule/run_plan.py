@@ -21,8 +21,8 @@ their own copy of the rules, and the copies drifted. Both now ask a `RunPlan`:
 * which stages are split (``W`` actions: [Note: split stages] in tfsmp/runtime/stage.py);
 * which ranks may update their variables inside their backward instead of keeping one
   accumulator per trainable variable ([Note: direct update] in tfsmp/runtime/memory.py): one
-  microbatch, one data-parallel replica, one unsplit stage on the rank, no tied copies, no XLA
-  and ``nonfinite='raise'`` -- and, known only where the optimizer is (the runtime, or a caller
+  microbatch, one data-parallel replica, one unsplit stage on the rank, no tied copies and
+  ``nonfinite='raise'`` (XLA-compiled stage programs too) -- and, known only where the optimizer is (the runtime, or a caller
   that names it), an optimizer that can update variable by variable (no ``global_clipnorm``,
   ``gradient_accumulation_steps``, ``use_ema`` or loss scaling);
 * which microbatches' backwards an unsplit stage splits at the step's end ([Note: drain split]
@@ -145,7 +145,7 @@ class RunPlan:
         asks the same."""
         return (len(self.stages(rank)) == 1
                 and not (self.split_stages & set(self.stages(rank)))
-                and not self.tied and not self.xla and self.nonfinite == "raise")
+                and not self.tied and self.nonfinite == "raise")
 
     def updates_directly(self, rank: int, optimizer_allows_direct: bool) -> bool:
         """Whether ``rank`` updates its variables in its backward (then it keeps no
