@@ -93,7 +93,7 @@ class _Owners:
     every world rank alike (an allgather)."""
 
     def __init__(self, model: Any, world: Any) -> None:
-        self.model, self.world = model, world
+        self.world = world
         self.variables = model.model_weights()
         self.index = {id(v): i for i, v in enumerate(self.variables)}
         sender: dict[int, int] = {}

@@ -31,7 +31,6 @@ partial last batch: a replica left without rows still takes part in the reductio
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -102,9 +101,9 @@ class Engine:
         self.rank_tag = rank_tag
         # [Note: one description of the run] in tfsmp/schedule/run_plan.py: the schedule run,
         # its split stages, and whether stages may update inside their backward
-        run = RunPlan.for_config(config, data_parallel=comm.data.size,
-                                 tied=any(t.copies > 1 for t in plan.ties), drain=plan.drain_split)
-        self.run = dataclasses.replace(run, xla=xla)
+        self.run = RunPlan.for_config(config, data_parallel=comm.data.size,
+                                      tied=any(t.copies > 1 for t in plan.ties),
+                                      drain=plan.drain_split)
         self.objective = objective
         shapes = BoundaryShapes.for_plan(traced, plan)  # [Note: dynamic boundaries]
         relax = _dynamic_inputs(traced, shapes)

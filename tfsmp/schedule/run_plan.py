@@ -22,9 +22,9 @@ their own copy of the rules, and the copies drifted. Both now ask a `RunPlan`:
 * which ranks may update their variables inside their backward instead of keeping one
   accumulator per trainable variable ([Note: direct update] in tfsmp/runtime/memory.py): one
   microbatch, one data-parallel replica, one unsplit stage on the rank, no tied copies and
-  ``nonfinite='raise'`` (XLA-compiled stage programs too) -- and, known only where the optimizer is (the runtime, or a caller
-  that names it), an optimizer that can update variable by variable (no ``global_clipnorm``,
-  ``gradient_accumulation_steps``, ``use_ema`` or loss scaling);
+  ``nonfinite='raise'`` (with or without XLA) -- and, known only where the optimizer is (the
+  runtime, or a caller that names it), an optimizer that can update variable by variable (no
+  ``global_clipnorm``, ``gradient_accumulation_steps``, ``use_ema`` or loss scaling);
 * which microbatches' backwards an unsplit stage splits at the step's end ([Note: drain split]
   in tfsmp/runtime/executor.py): ``drain``, 0 in memory mode and where the plan's memory check
   found the run fits its cap only without them (`tfsmp.partitioning.memory_check.check_memory`).
@@ -62,14 +62,13 @@ class RunPlan:
     active_microbatches: int | None = None
     data_parallel: int = 1
     tied: bool = False  # some trainable variable has copies on several stages
-    xla: bool = False
     nonfinite: str = "raise"
     drain: int = 0  # [Note: drain split] in tfsmp/runtime/executor.py
 
     @classmethod
     def of(cls, pipeline: str, partitions: int, microbatches: int, *, virtual_stages: int = 1,
            active_microbatches: int | None = None, data_parallel: int = 1, tied: bool = False,
-           xla: bool = False, nonfinite: str = "raise", drain: int = 0) -> RunPlan:
+           nonfinite: str = "raise", drain: int = 0) -> RunPlan:
         """The run of ``pipeline`` over ``partitions`` ranks at ``microbatches`` per step.
 
         Raises:
@@ -81,7 +80,7 @@ class RunPlan:
                                            active_microbatches=active_microbatches))
         return cls(pipeline, partitions, microbatches, chunks,
                    Placement.for_pipeline(pipeline, partitions, chunks), compute,
-                   active_microbatches, data_parallel, tied, xla, nonfinite, drain)
+                   active_microbatches, data_parallel, tied, nonfinite, drain)
 
     @classmethod
     def for_config(cls, config: Any, *, data_parallel: int = 1, tied: bool = False,
@@ -92,8 +91,7 @@ class RunPlan:
         return cls.of(config.pipeline, config.partitions, microbatches or config.microbatches,
                       virtual_stages=config.virtual_stages,
                       active_microbatches=config.active_microbatches,
-                      data_parallel=data_parallel, tied=tied, xla=bool(config.xla),
-                      nonfinite=config.nonfinite,
+                      data_parallel=data_parallel, tied=tied, nonfinite=config.nonfinite,
                       drain=drain_count(config.optimize) if drain else 0)
 
     def with_microbatches(self, microbatches: int) -> RunPlan:
