@@ -155,6 +155,9 @@ def test_tensorboard_logs_every_weight_as_plain_keras_at_two_partitions(results:
     assert a["different"] == []
     assert a["model_json_same"]  # the wrapped Functional's config, as plain Keras writes it
     assert a["epochs_trained"] == 3
+    # a callback's self.model.layers and get_layer are the user's model's, as in plain Keras
+    assert a["layers"] == {"names": a["ref_layers"], "get_layer": "h2"}
+    assert a["ref_layers"] == ["x", "h1", "h2", "h3", "out"]
     assert a["checkpoints"] == a["ref_checkpoints"] != []  # the projector's, epochs 0 and 2
     assert a["checkpoints_same"]  # the whole model's weights, as plain Keras's checkpoint
     # evaluate(callbacks=[TensorBoard]) writes one events file of the evaluation, as plain

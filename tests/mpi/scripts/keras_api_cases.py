@@ -416,8 +416,17 @@ def case_tensorboard_logs_weights_as_keras(ctx: object) -> dict[str, object]:
         # the TensorBoard between two callbacks, as a user's list has it
         seen: list[int] = []
         note = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(e))
+        layers: dict[str, object] = {}
+
+        class Layers(keras.callbacks.Callback):  # type: ignore[misc]
+            """What a user's callback finds as ``self.model.layers`` (TensorBoard walks it)."""
+
+            def on_train_end(self, logs: object = None) -> None:
+                layers["names"] = [layer.name for layer in self.model.layers]
+                layers["get_layer"] = self.model.get_layer("h2").name
+
         h = dm.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
-                   callbacks=[note, board("tfsmp"), note])
+                   callbacks=[note, board("tfsmp"), note, Layers()])
         # evaluate's and predict's callbacks: TensorBoard writes the evaluation's scalars once
         if tfsmp.rank() == 0:
             ref.evaluate(x, y, batch_size=16, verbose=0,
@@ -458,6 +467,8 @@ def case_tensorboard_logs_weights_as_keras(ctx: object) -> dict[str, object]:
             }
         result = tfsmp.allgather(result)[0]
         result["epochs_seen"] = seen
+        result["layers"] = layers
+        result["ref_layers"] = [layer.name for layer in ref.layers]
         result["epochs_trained"] = len(h.history["loss"])
         return result
     finally:
