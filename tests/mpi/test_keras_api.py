@@ -182,3 +182,5 @@ def test_a_tensorboard_failing_on_rank_0_while_it_logs_weights_fails_every_rank(
     assert a["errors"][0] == "RuntimeError: no image for h3/kernel/image"
     assert a["errors"][1] == "RuntimeError: no scalars"
     assert a["trained_after"] == b["trained_after"] == 1
+    # the watchdog names the exchange a stalled rank waits in ([Note: collective labels])
+    assert a["labels"] == [["DistributedModel.fit", "TensorBoard's weights at an epoch's end"]]

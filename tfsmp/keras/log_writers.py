@@ -29,6 +29,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from tfsmp.comm import collective_label
 from tfsmp.errors import StepError
 
 __all__ = ["LOG_WRITERS", "TensorBoardPeer", "on_this_rank", "tensorboard_views"]
@@ -73,6 +74,7 @@ def on_this_rank(callbacks: list[Any], rank: int, model: Any = None, world: Any 
 # to meet a later collective.
 
 _STOP, _WEIGHTS, _SAVE = "stop", "weights", "save"
+_LABEL = "TensorBoard's weights at an epoch's end"  # what the watchdog names ([Note: collective labels])
 _TAG = 7301  # the gathered weights' messages on the world communicator
 
 
@@ -175,6 +177,16 @@ class TensorBoardPeer(keras.callbacks.Callback):  # type: ignore[misc]
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if not _logs_weights_at(self.board, epoch):
             return
+        with collective_label(_LABEL, api=False):
+            body = self._serve()
+        if body is not None:
+            raise StepError(
+                f"[{self.dm.runtime_state().tag()}] TensorBoard failed on world rank 0 at the "
+                f"end of epoch {epoch}, while it logged the model's weights: {body}")
+
+    def _serve(self) -> Any:
+        """Answers rank 0's requests until its stop; returns rank 0's error text, if any (a
+        failure of this rank's own part is raised after the stop)."""
         owners = _Owners(self.dm, self.world)
         failed: BaseException | None = None
         while True:
@@ -190,10 +202,7 @@ class TensorBoardPeer(keras.callbacks.Callback):  # type: ignore[misc]
                 failed = failed or e
         if failed is not None:
             raise failed
-        if body is not None:
-            raise StepError(
-                f"[{self.dm.runtime_state().tag()}] TensorBoard failed on world rank 0 at the "
-                f"end of epoch {epoch}, while it logged the model's weights: {body}")
+        return body
 
 
 @contextmanager
@@ -239,16 +248,17 @@ def _epoch_end(board: Any, model: Any, world: Any) -> Callable[..., None]:
         if not _logs_weights_at(board, epoch):
             type(board).on_epoch_end(board, epoch, logs)
             return
-        owners = _Owners(model, world)
-        kept, error = board._model, None  # noqa: SLF001
-        board._model = _ModelView(kept, owners)  # noqa: SLF001
-        try:
-            type(board).on_epoch_end(board, epoch, logs)
-        except BaseException as e:
-            error = f"{type(e).__name__}: {e}"
-            raise
-        finally:
-            board._model = kept  # noqa: SLF001
-            world.bcast_obj((_STOP, error), root=0)
+        with collective_label(_LABEL, api=False):
+            owners = _Owners(model, world)
+            kept, error = board._model, None  # noqa: SLF001
+            board._model = _ModelView(kept, owners)  # noqa: SLF001
+            try:
+                type(board).on_epoch_end(board, epoch, logs)
+            except BaseException as e:
+                error = f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                board._model = kept  # noqa: SLF001
+                world.bcast_obj((_STOP, error), root=0)
 
     return on_epoch_end

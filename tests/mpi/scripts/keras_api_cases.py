@@ -483,9 +483,14 @@ def case_a_tensorboard_failing_while_it_logs_weights_fails_every_rank(ctx: objec
     import shutil
     import tempfile
 
+    from tfsmp.comm.calls import labels
+
+    seen_labels: list[list[str]] = []
+
     class BrokenImage(keras.callbacks.TensorBoard):  # type: ignore[misc]
         def _log_weight_as_image(self, weight: object, name: str, epoch: int) -> None:
             if "h3" in name:
+                seen_labels.append([text for text, _ in labels()])  # what a stall would name
                 raise RuntimeError(f"no image for {name}")
 
     class BrokenScalars(keras.callbacks.TensorBoard):  # type: ignore[misc]
@@ -507,7 +512,7 @@ def case_a_tensorboard_failing_while_it_logs_weights_fails_every_rank(ctx: objec
                 errors.append(f"{type(e).__name__}: {e}")
         # the job goes on: the ranks still meet, and train
         loss = dm.fit(x, y, batch_size=16, epochs=1, verbose=0).history["loss"]
-        return {"errors": errors, "trained_after": len(loss)}
+        return {"errors": errors, "trained_after": len(loss), "labels": seen_labels}
     finally:
         if tfsmp.rank() == 0:
             shutil.rmtree(root, ignore_errors=True)
