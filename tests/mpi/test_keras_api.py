@@ -22,6 +22,7 @@ CASES = [
     "case_layer_with_trainer_mixed_in", "case_a_bad_batch_fails_alike_where_a_replica_has_no_rows",
     "case_tensorboard_logs_weights_as_keras",
     "case_a_tensorboard_failing_while_it_logs_weights_fails_every_rank",
+    "case_a_writer_failing_on_rank_0_fails_every_rank",
 ]
 
 
@@ -173,8 +174,8 @@ def test_tensorboard_logs_every_weight_as_plain_keras_at_two_partitions(results:
 def test_a_tensorboard_failing_on_rank_0_while_it_logs_weights_fails_every_rank(
         results: dict) -> None:
     a, b = case_results(results, "case_a_tensorboard_failing_while_it_logs_weights_fails_every_rank")
-    told = "TensorBoard failed on world rank 0 at the end of epoch 0, while it logged the model's " \
-           "weights: "
+    told = ".on_epoch_end failed on world rank 0, the one rank that runs the log writers and " \
+           "the progress bar: "
     for mine, theirs in zip(a["errors"], b["errors"]):
         assert mine.startswith("RuntimeError: no "), mine
         assert theirs.startswith("StepError: [rank 1"), theirs
@@ -184,3 +185,41 @@ def test_a_tensorboard_failing_on_rank_0_while_it_logs_weights_fails_every_rank(
     assert a["trained_after"] == b["trained_after"] == 1
     # the watchdog names the exchange a stalled rank waits in ([Note: collective labels])
     assert a["labels"] == [["DistributedModel.fit", "TensorBoard's weights at an epoch's end"]]
+
+
+def test_a_log_writer_or_progress_bar_failing_on_rank_0_fails_every_rank(results: dict) -> None:
+    """[Note: a writer failing on rank 0]: before, rank 0 raised alone and rank 1 waited in the
+    next step's collectives (the launch timed out)."""
+    a, b = case_results(results, "case_a_writer_failing_on_rank_0_fails_every_rank")
+    where = {"csv": "CSVLogger.on_train_begin", "keras_bar": "ProgbarLogger.on_train_batch_end",
+             "user_bar": "ProgbarLogger.on_train_batch_end",
+             "board": "BrokenBatch.on_train_batch_end",
+             "evaluate": "ProgbarLogger.on_test_batch_end",
+             "predict": "ProgbarLogger.on_predict_batch_end",
+             "rank0_only": "BrokenBatch.on_train_batch_end"}
+    assert set(a["errors"]) == {*where, "rank0_only_works", "savers_differ"}
+    # Horovod's idiom (writers on rank 0 only, verbose=0 elsewhere) trains, one writer of the CSV
+    assert a["errors"]["rank0_only_works"] == b["errors"]["rank0_only_works"] == ""
+    assert a["csv_rows"] == 3  # header + 2 epochs
+    # checkpoint saves on rank 0 only: refused on every rank before any step (they hung)
+    for r, mine in enumerate((a, b)):
+        assert mine["errors"]["savers_differ"] == (
+            f"StepError: [rank {r} | pp_rank {r}] Every rank must pass fit the same checkpointing "
+            "callbacks: a pipelined model's saves are collective (every rank sends its stages' "
+            "weights, world rank 0 writes the file). Received: rank 0: ['ModelCheckpoint']; "
+            "rank 1: []. Fix: pass them on every rank (the file is still written once); the log "
+            "writers (CSVLogger, RemoteMonitor, TensorBoard, ProgbarLogger) may be passed on "
+            "rank 0 only.")
+    assert a["errors"]["csv"].startswith("FileNotFoundError: ")
+    assert a["errors"]["board"] == a["errors"]["rank0_only"] == "RuntimeError: no batch scalars"
+    for bar in ("keras_bar", "user_bar", "evaluate", "predict"):
+        assert a["errors"][bar] == "BrokenPipeError: [Errno 32] Broken pipe", bar
+    for case, hook in where.items():
+        assert b["errors"][case] == (
+            f"StepError: [rank 1 | pp_rank 1] {hook} failed on world rank 0, the one rank that "
+            f"runs the log writers and the progress bar: {a['errors'][case]}"), case
+    # the ranks go on together; the progress bar prints on rank 0 only, and fit's History is
+    # the model's (tfsmp appends the History and the bar where Keras would)
+    assert a["trained_after"] == b["trained_after"] == 2
+    assert a["history_is_models"] and b["history_is_models"]
+    assert a["printed"] and not b["printed"]

@@ -95,9 +95,10 @@ def fit_callbacks(model: Any, sample: Any, callbacks: Any) -> list[Any]:
     ``sample()`` returns a batch (or spec) to partition the model with before the first step."""
     user = user_callbacks(callbacks)
     head = _Head(sample, user)
-    # Keras's CallbackList looks for a History and a ProgbarLogger among its callbacks
-    kept = [c for c in user if isinstance(c, (keras.callbacks.History,
-                                              keras.callbacks.ProgbarLogger))]
+    # Keras's CallbackList looks for a History and a ProgbarLogger among its callbacks; a
+    # progress bar's peer on the other ranks keeps its place ([Note: a writer failing on rank 0])
+    kept = [c for c in user if issubclass(getattr(c, "stands_for", type(c)),
+                                          (keras.callbacks.History, keras.callbacks.ProgbarLogger))]
     shifted = [c for c in user if not any(c is k for k in kept)]
     return [head, *kept, *([_Shifted(shifted, head)] if shifted else []), _Tail(user)]
 

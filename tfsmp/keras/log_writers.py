@@ -1,8 +1,9 @@
-"""Keras callbacks that send the logs out of the process: world rank 0 sends them, once.
+"""Keras callbacks that send the logs out of the process: world rank 0 runs them, once.
 
 Example::
 
-    callbacks = on_this_rank([keras.callbacks.CSVLogger("log.csv")], rank=1)   # []
+    callbacks = on_this_rank([keras.callbacks.CSVLogger("log.csv")], rank=1, world=world)
+    # [WriterPeer(CSVLogger)]: it meets rank 0 at each of CSVLogger's hooks
 
 [Note: one writer of the logs] Every rank runs Keras's `fit` with the same callbacks and the
 same logs (the step gives every rank the loss and metrics), so a callback that writes the logs
@@ -16,6 +17,20 @@ TensorBoard kept only the chief's logs). Its profiler therefore traces world ran
 Callbacks that save the model (`ModelCheckpoint`, `BackupAndRestore`) stay on every rank: their
 saves are collective, and world rank 0 writes ([Note: Keras's saving functions] in
 tfsmp/checkpoint/keras_saving.py).
+
+[Note: a writer failing on rank 0] Running a callback on one rank makes its failures that
+rank's alone: a `CSVLogger` that cannot open its file, a progress bar whose pipe was closed,
+a TensorBoard that cannot write raise on world rank 0 and leave `fit` there, while the other
+ranks go on into the next step's collectives and wait for a rank that is no longer coming
+(until the process exits or the watchdog's limit). So a writer's failure is made every rank's:
+on the other ranks a `WriterPeer` stands at the writer's place in the callback list, and at
+each hook the writer implements (its class overrides Keras's empty default), rank 0 runs the
+writer and then broadcasts a stop message carrying its error, if any, which the peer waits
+for; the peer raises a `StepError` naming rank 0's error, and rank 0 raises its own. The
+progress bar Keras adds on rank 0 (``verbose`` not 0) is put in the list by tfsmp instead
+(`progress_bar`), at the end where Keras puts it, so that it has a peer too. The cost is one
+small broadcast per such hook: per batch for the progress bar at ``verbose=1`` (where it
+prints per batch) and for TensorBoard (which writes batch scalars), per epoch for the rest.
 """
 
 from __future__ import annotations
@@ -24,34 +39,174 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import keras
 import numpy as np
 
+from tfsmp import failure
 from tfsmp.comm import collective_label
 from tfsmp.errors import StepError
 
-__all__ = ["LOG_WRITERS", "TensorBoardPeer", "on_this_rank", "tensorboard_views"]
+__all__ = ["LOG_WRITERS", "RANK_ZERO", "Writer", "WriterPeer", "hooks_of", "plan_callbacks",
+           "writer_guards"]
 
 LOG_WRITERS: tuple[type, ...] = (keras.callbacks.CSVLogger, keras.callbacks.RemoteMonitor,
                                  keras.callbacks.TensorBoard)
+# what runs on world rank 0 only: the log writers and the progress bar
+RANK_ZERO: tuple[type, ...] = (*LOG_WRITERS, keras.callbacks.ProgbarLogger)
+
+# the hooks Keras's CallbackList calls, and the legacy names Keras's defaults forward to
+_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_test_begin",
+          "on_test_end", "on_predict_begin", "on_predict_end", "on_train_batch_begin",
+          "on_train_batch_end", "on_test_batch_begin", "on_test_batch_end",
+          "on_predict_batch_begin", "on_predict_batch_end")
+_LEGACY = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}
 
 
-def on_this_rank(callbacks: list[Any], rank: int, model: Any = None, world: Any = None,
-                 partitions: int = 1) -> list[Any]:
-    """``callbacks`` less the log writers on every world rank but 0; at partitions > 1 a
-    TensorBoard that logs weights leaves a `TensorBoardPeer` in its place ([Note:
-    TensorBoard's weights])."""
-    if rank == 0:
-        return list(callbacks)
-    out = []
-    for c in callbacks:
-        if partitions > 1 and _logs_weights(c):
-            out.append(TensorBoardPeer(c, model, world))
-        elif not isinstance(c, LOG_WRITERS):
-            out.append(c)
-    return out
+def hooks_of(cls: type) -> tuple[str, ...]:
+    """The hooks of Keras's CallbackList that run code of ``cls``: those it overrides (Keras
+    marks its empty defaults), a train batch's also through the legacy ``on_batch_*``."""
+    def own(name: str) -> bool:
+        return not getattr(getattr(cls, name, None), "_is_default", False)
+
+    return tuple(h for h in _HOOKS if own(h) or (h in _LEGACY and own(_LEGACY[h])))
+
+
+@dataclass(frozen=True)
+class Writer:
+    """What the other ranks know of a callback that runs on world rank 0 only: its name, the
+    hooks it implements, and what a TensorBoard logs weights at (Keras's attribute names)."""
+
+    name: str
+    hooks: tuple[str, ...]
+    histogram_freq: int = 0
+    embeddings_freq: int = 0
+
+    @classmethod
+    def of(cls, callback: Any, verbose: Any) -> Writer:
+        hooks = hooks_of(type(callback))
+        if isinstance(callback, keras.callbacks.ProgbarLogger) and verbose == 2:
+            # at verbose=2 Keras's progress bar prints at an epoch's end only: no batch hooks
+            hooks = tuple(h for h in hooks if "batch" not in h)
+        board = isinstance(callback, keras.callbacks.TensorBoard)
+        return cls(type(callback).__name__, hooks,
+                   int(callback.histogram_freq or 0) if board else 0,
+                   int(callback.embeddings_freq or 0) if board else 0)
+
+
+def _savers() -> tuple[type, ...]:
+    """The callbacks whose work is collective (their saves: world rank 0 writes)."""
+    from tfsmp.checkpoint.callbacks import BackupAndRestore
+
+    return (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore, BackupAndRestore)
+
+
+def _signature(callback: Any) -> tuple[str, str]:
+    kind = ("writer" if isinstance(callback, RANK_ZERO) else
+            "saver" if isinstance(callback, _savers()) else "other")
+    return kind, f"{type(callback).__module__}.{type(callback).__qualname__}"
+
+
+def plan_callbacks(callbacks: list[Any], verbose: Any, history: bool, model: Any, world: Any,
+                   partitions: int, entry: str) -> tuple[list[Any], dict[int, Writer]]:
+    """The callbacks this world rank hands Keras's loop, and (on rank 0) what each one it runs
+    for every rank is, by ``id`` ([Note: a writer failing on rank 0]). Two small collectives:
+    the ranks' callbacks and ``verbose`` are gathered, so that the writers and the progress
+    bar world rank 0 runs have their peers at the same places on the other ranks, also where a
+    script passes them on rank 0 only (Horovod's idiom: ``if hvd.rank() == 0:
+    callbacks.append(TensorBoard(...))``, ``verbose=1 if hvd.rank() == 0 else 0``). Keras's
+    own progress bar (and in ``fit`` the History before it) is appended where Keras appends
+    them when world rank 0's ``verbose`` asks for one and rank 0 passed none.
+
+    Raises:
+        StepError: on every rank alike, when ranks pass different checkpointing callbacks (their
+            saves are collective).
+    """
+    if world.size == 1:
+        return list(callbacks), {}
+    mine = [_signature(c) for c in callbacks]
+    with collective_label("the callbacks' agreement", api=False):
+        everyone = world.allgather_obj((mine, verbose))
+        first, verbose0 = everyone[0]
+        _check_savers([sig for sig, _ in everyone], model, entry)
+        bar = verbose0 != 0 and not any(k == "writer" and n == _BAR for k, n in first)
+        bar_writer = Writer("ProgbarLogger", _bar_hooks(verbose0))
+        if world.rank == 0:
+            described = [Writer.of(c, verbose) if k == "writer" else None
+                         for c, (k, _) in zip(callbacks, mine)]
+            world.bcast_obj(described, root=0)
+            end = [keras.callbacks.ProgbarLogger()] if bar else []
+            plan = [*callbacks, *_history(callbacks, history and bar), *end]
+            guarded = {id(c): w for c, w in zip(callbacks, described) if w is not None}
+            guarded.update({id(c): bar_writer for c in end})
+            return plan, guarded
+        writers0 = world.bcast_obj(None, root=0)
+    peers = {i: WriterPeer(w, model, world, partitions)
+             for i, w in enumerate(writers0) if w is not None}
+    own = [c for c in callbacks if not isinstance(c, RANK_ZERO)]
+    plan = _place(first, peers, own, [sig for sig, _ in everyone])
+    if bar:
+        plan += [*_history(callbacks, history), WriterPeer(bar_writer, model, world, partitions)]
+    return plan, {}
+
+
+_BAR = f"{keras.callbacks.ProgbarLogger.__module__}.{keras.callbacks.ProgbarLogger.__qualname__}"
+
+
+def _bar_hooks(verbose: Any) -> tuple[str, ...]:
+    return Writer.of(keras.callbacks.ProgbarLogger(), verbose).hooks
+
+
+def _history(callbacks: list[Any], wanted: bool) -> list[Any]:
+    """A History before the progress bar tfsmp appends, as Keras appends one in ``fit``."""
+    if not wanted or any(isinstance(c, keras.callbacks.History) for c in callbacks):
+        return []
+    return [keras.callbacks.History()]
+
+
+def _check_savers(signatures: list[list[tuple[str, str]]], model: Any, entry: str) -> None:
+    def savers(sig: list[tuple[str, str]]) -> list[str]:
+        return [n.rsplit(".", 1)[-1] for k, n in sig if k == "saver"]
+
+    if all(savers(sig) == savers(signatures[0]) for sig in signatures):
+        return
+    got = "; ".join(f"rank {r}: {savers(sig)}" for r, sig in enumerate(signatures))
+    raise StepError(
+        f"[{model.runtime_state().tag()}] Every rank must pass {entry} the same checkpointing "
+        f"callbacks: a pipelined model's saves are collective (every rank sends its stages' "
+        f"weights, world rank 0 writes the file). Received: {got}. Fix: pass them on every rank "
+        f"(the file is still written once); the log writers (CSVLogger, RemoteMonitor, "
+        f"TensorBoard, ProgbarLogger) may be passed on rank 0 only.")
+
+
+def _place(first: list[tuple[str, str]], peers: dict[int, WriterPeer], own: list[Any],
+           signatures: list[list[tuple[str, str]]]) -> list[Any]:
+    """This rank's callbacks (``own``, without writers) with world rank 0's writers' peers at
+    rank 0's places (``first`` is rank 0's signature): exactly, where every rank passed the
+    same other callbacks; else among the checkpointing callbacks (the same on every rank), the
+    collective ones a peer must keep its order with."""
+    others = [[e for e in sig if e[0] != "writer"] for sig in signatures]
+    out: list[Any] = []
+    if all(o == others[0] for o in others):
+        rest = iter(own)
+        for i, (kind, _) in enumerate(first):
+            out.append(peers[i] if kind == "writer" else next(rest))
+        return out
+    before: dict[int, list[WriterPeer]] = {}
+    savers = 0
+    for i, (kind, _) in enumerate(first):
+        if kind == "writer":
+            before.setdefault(savers, []).append(peers[i])
+        savers += kind == "saver"
+    savers = 0
+    for c in own:
+        if _signature(c)[0] == "saver":
+            out += before.pop(savers, [])
+            savers += 1
+        out.append(c)
+    return out + before.pop(savers, [])
 
 
 # -- TensorBoard's weights ---------------------------------------------------------------------
@@ -61,8 +216,8 @@ def on_this_rank(callbacks: list[Any], rank: int, model: Any = None, world: Any 
 # of the epochs it is asked to, by reading every layer's weights (``self.model.layers``, each
 # ``layer.weights``) and, for the projector, by ``self.model.save_weights``. At partitions > 1
 # world rank 0, the one rank that runs TensorBoard ([Note: one writer of the logs]), holds only
-# its own stages' weights. So at those epochs the other ranks run a `TensorBoardPeer` at
-# TensorBoard's place in their callback list, and rank 0's TensorBoard runs Keras's own
+# its own stages' weights. So at those epochs the other ranks' `WriterPeer` at
+# TensorBoard's place in their callback list serves them, and rank 0's TensorBoard runs Keras's own
 # ``on_epoch_end`` with its model seen through a view whose layers' ``weights`` are the values
 # gathered for that layer alone from the ranks that hold them (the lowest world rank holding a
 # variable sends it): a layer at a time, so rank 0 never holds the whole model, and the events
@@ -83,11 +238,6 @@ def _logs_weights_at(board: Any, epoch: int) -> bool:
     Keras's TensorBoard.on_epoch_end for histograms, images and the projector)."""
     hist, emb = board.histogram_freq, board.embeddings_freq
     return bool((hist and epoch % hist == 0) or (emb and epoch % emb == 0))
-
-
-def _logs_weights(board: Any) -> bool:
-    return isinstance(board, keras.callbacks.TensorBoard) and bool(
-        board.histogram_freq or board.embeddings_freq)
 
 
 class _Owners:
@@ -166,35 +316,61 @@ class _ModelView:
         return getattr(self._model, name)
 
 
-class TensorBoardPeer(keras.callbacks.Callback):  # type: ignore[misc]
-    """Stands at a weight-logging TensorBoard's place on the ranks that do not run it, and
-    serves its weights to world rank 0 ([Note: TensorBoard's weights])."""
+# -- the exchange at each hook ([Note: a writer failing on rank 0]) ---------------------------
 
-    def __init__(self, board: Any, model: Any, world: Any) -> None:
+
+def _label(writer: Writer, hook: str, weights: bool) -> str:
+    """What the watchdog names a rank waiting in the exchange ([Note: collective labels])."""
+    return _LABEL if weights else f"{writer.name}.{hook} on world rank 0"
+
+
+def _logs_weights_now(writer: Writer, partitions: int, hook: str, args: tuple[Any, ...]) -> bool:
+    """Whether this hook is an epoch's end at which a TensorBoard reads the weights that
+    other ranks hold ([Note: TensorBoard's weights])."""
+    return (partitions > 1 and hook == "on_epoch_end" and bool(args)
+            and _logs_weights_at(writer, args[0]))
+
+
+class WriterPeer(keras.callbacks.Callback):  # type: ignore[misc]
+    """Stands at a rank-0-only callback's place on the other ranks: at each hook the callback
+    implements it waits for rank 0's stop message, serving the weights a TensorBoard asks for
+    on the way ([Note: TensorBoard's weights]), and raises rank 0's error ([Note: a writer
+    failing on rank 0])."""
+
+    def __init__(self, writer: Writer, model: Any, world: Any, partitions: int = 1) -> None:
         super().__init__()
-        self.board, self.dm, self.world = board, model, world
+        self.writer, self.dm, self.world, self.partitions = writer, model, world, partitions
+        # what it stands for, by the name Keras's CallbackList looks for (fit_resume keeps a
+        # progress bar's place)
+        self.stands_for = (keras.callbacks.ProgbarLogger if writer.name == "ProgbarLogger"
+                           else type(self))
+        for hook in writer.hooks:
+            setattr(self, hook, self._meet(hook))
 
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        if not _logs_weights_at(self.board, epoch):
-            return
-        with collective_label(_LABEL, api=False):
-            body = self._serve()
-        if body is not None:
-            raise StepError(
-                f"[{self.dm.runtime_state().tag()}] TensorBoard failed on world rank 0 at the "
-                f"end of epoch {epoch}, while it logged the model's weights: {body}")
+    def _meet(self, hook: str) -> Callable[..., None]:
+        def meet(*args: Any, **kwargs: Any) -> None:
+            weights = _logs_weights_now(self.writer, self.partitions, hook, args)
+            with collective_label(_label(self.writer, hook, weights), api=False):
+                error = self._serve(weights)
+            if error is not None:
+                tag = self.dm.runtime_state().tag()
+                raise failure.echo(StepError(
+                    f"[{tag}] {self.writer.name}.{hook} failed on world rank 0, the one rank "
+                    f"that runs the log writers and the progress bar: {error}"),
+                    origin=self.world.ranks[0])
+        return meet
 
-    def _serve(self) -> Any:
+    def _serve(self, weights: bool) -> Any:
         """Answers rank 0's requests until its stop; returns rank 0's error text, if any (a
         failure of this rank's own part is raised after the stop)."""
-        owners = _Owners(self.dm, self.world)
+        owners = _Owners(self.dm, self.world) if weights else None
         failed: BaseException | None = None
         while True:
             kind, body = self.world.bcast_obj(None, root=0)
             if kind == _STOP:
                 break
             try:
-                if kind == _WEIGHTS:
+                if kind == _WEIGHTS and owners is not None:
                     owners.send(body)
                 else:  # the projector's checkpoint: world rank 0 writes it
                     self.dm.save_weights(os.path.join(tempfile.gettempdir(), "unused.weights.h5"))
@@ -206,25 +382,56 @@ class TensorBoardPeer(keras.callbacks.Callback):  # type: ignore[misc]
 
 
 @contextmanager
-def tensorboard_views(callbacks: list[Any], model: Any, world: Any,
-                      partitions: int) -> Iterator[None]:
-    """On world rank 0, for the block: each TensorBoard of ``callbacks`` writes the user's
-    model's graph summary, and at partitions > 1 reads the weights it logs through the ranks
-    that hold them ([Note: TensorBoard's weights]). Elsewhere does nothing."""
-    boards = ([c for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)]
-              if world.rank == 0 else [])
+def writer_guards(callbacks: list[Any], guarded: dict[int, Writer], model: Any, world: Any,
+                  partitions: int) -> Iterator[None]:
+    """On world rank 0, for the block: each callback of ``callbacks`` that ``guarded``
+    describes (`plan_callbacks`) ends each of its hooks with the stop message its peers wait
+    for ([Note: a writer failing on rank 0]), reading at partitions > 1 the weights a
+    TensorBoard logs through the ranks that hold them ([Note: TensorBoard's weights]); each
+    TensorBoard writes the user's model's graph summary. Elsewhere does nothing."""
+    patched: list[tuple[Any, str]] = []
     # Keras's TensorBoard reads its model as ``self.model``, which returns ``_model``; these
     # are its own methods, run unchanged on another model (noqa: SLF001 for its names)
-    for board in boards:
-        board._write_keras_model_summary = _summary(board, model)  # noqa: SLF001
-        if partitions > 1 and _logs_weights(board):
-            board.on_epoch_end = _epoch_end(board, model, world)
+    for c in callbacks if world.rank == 0 else []:
+        if isinstance(c, keras.callbacks.TensorBoard):
+            c._write_keras_model_summary = _summary(c, model)  # noqa: SLF001
+            patched.append((c, "_write_keras_model_summary"))
+        writer = guarded.get(id(c))
+        if writer is None:
+            continue
+        for hook in writer.hooks:
+            setattr(c, hook, _guarded(c, writer, hook, model, world, partitions))
+            patched.append((c, hook))
     try:
         yield
     finally:
-        for board in boards:
-            board.__dict__.pop("on_epoch_end", None)
-            board.__dict__.pop("_write_keras_model_summary", None)
+        for c, name in patched:
+            c.__dict__.pop(name, None)
+
+
+def _guarded(callback: Any, writer: Writer, hook: str, model: Any, world: Any,
+             partitions: int) -> Callable[..., None]:
+    """Rank 0's ``callback.hook``: Keras's, then the stop message (with its error, if any); at
+    an epoch's end that logs weights, with the model seen through the gathered weights."""
+    run = getattr(type(callback), hook)
+
+    def guarded(*args: Any, **kwargs: Any) -> None:
+        now = _logs_weights_now(writer, partitions, hook, args)
+        with collective_label(_label(writer, hook, now), api=False):
+            kept, error = callback.__dict__.get("_model"), None
+            try:
+                if now:
+                    callback._model = _ModelView(kept, _Owners(model, world))  # noqa: SLF001
+                run(callback, *args, **kwargs)
+            except BaseException as e:
+                error = f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                if now:
+                    callback._model = kept  # noqa: SLF001
+                world.bcast_obj((_STOP, error), root=0)
+
+    return guarded
 
 
 def _summary(board: Any, model: Any) -> Callable[[], None]:
@@ -241,24 +448,3 @@ def _summary(board: Any, model: Any) -> Callable[[], None]:
             board._model = kept  # noqa: SLF001
 
     return write_keras_model_summary
-
-
-def _epoch_end(board: Any, model: Any, world: Any) -> Callable[..., None]:
-    def on_epoch_end(epoch: int, logs: Any = None) -> None:
-        if not _logs_weights_at(board, epoch):
-            type(board).on_epoch_end(board, epoch, logs)
-            return
-        with collective_label(_LABEL, api=False):
-            owners = _Owners(model, world)
-            kept, error = board._model, None  # noqa: SLF001
-            board._model = _ModelView(kept, owners)  # noqa: SLF001
-            try:
-                type(board).on_epoch_end(board, epoch, logs)
-            except BaseException as e:
-                error = f"{type(e).__name__}: {e}"
-                raise
-            finally:
-                board._model = kept  # noqa: SLF001
-                world.bcast_obj((_STOP, error), root=0)
-
-    return on_epoch_end

@@ -43,7 +43,7 @@ from keras.src.trainers.trainer import Trainer
 from tfsmp.comm import collective_label
 from tfsmp.errors import StepError
 from tfsmp.keras.data import agree_shuffle_seed, sampler
-from tfsmp.keras.log_writers import on_this_rank, tensorboard_views
+from tfsmp.keras.log_writers import plan_callbacks, writer_guards
 from tfsmp.keras.overrides import check_overrides, check_trainable
 
 if TYPE_CHECKING:
@@ -492,12 +492,12 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         agree_shuffle_seed(self._state.comm.world)
         user = fit_resume.user_callbacks(callbacks)
         world, parts = self._state.comm.world, self._state.config.partitions
-        wrapped = fit_resume.fit_callbacks(  # [Note: one writer of the logs]
-            self, sampler(x, batch_size),
-            on_this_rank(user, self._state.rank, self, world, parts))
+        # [Note: one writer of the logs], [Note: a writer failing on rank 0]
+        mine, guarded = plan_callbacks(user, verbose, True, self, world, parts, "fit")
+        wrapped = fit_resume.fit_callbacks(self, sampler(x, batch_size), mine)
         self._terminate_on_nan = any(isinstance(c, keras.callbacks.TerminateOnNaN) for c in user)
         try:
-            with tensorboard_views(user, self, world, parts):  # [Note: TensorBoard's weights]
+            with writer_guards(mine, guarded, self, world, parts):  # [Note: TensorBoard's weights]
                 history = super().fit(x, y, batch_size, epochs, self._rank_verbose(verbose),
                                       wrapped, **kwargs)
         finally:
@@ -514,7 +514,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         from tfsmp.keras.trainer_steps import agree_finished
 
         inside_fit = bool(kwargs.get("_use_cached_eval_dataset"))  # fit's callbacks as they are
-        with self._log_writers(callbacks, inside_fit) as callbacks:
+        with self._log_writers(callbacks, verbose, inside_fit, "evaluate") as callbacks:
             logs = super().evaluate(x, y, batch_size, self._rank_verbose(verbose), sample_weight,
                                     steps, callbacks, return_dict, **kwargs)
         if not inside_fit:
@@ -527,25 +527,32 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         """Keras's `predict`, unchanged: the outputs on every rank."""
         from tfsmp.keras.trainer_steps import agree_finished
 
-        with self._log_writers(callbacks, False) as callbacks:
+        with self._log_writers(callbacks, verbose, False, "predict") as callbacks:
             out = super().predict(x, batch_size, self._rank_verbose(verbose), steps, callbacks)
         agree_finished(self, "predict")
         return out
 
     @contextlib.contextmanager
-    def _log_writers(self, callbacks: Any, inside_fit: bool) -> Iterator[Any]:
-        """The callbacks of an `evaluate` or `predict` on this rank: the log writers on world
-        rank 0 only, TensorBoard's model summary the wrapped model's ([Note: one writer of the
-        logs]); evaluate inside `fit` gets fit's, already so."""
-        if inside_fit or not callbacks:
+    def _log_writers(self, callbacks: Any, verbose: Any, inside_fit: bool,
+                     entry: str) -> Iterator[Any]:
+        """The callbacks of an `evaluate` or `predict` on this rank: the log writers and the
+        progress bar on world rank 0 only, with their peers elsewhere ([Note: one writer of the
+        logs], [Note: a writer failing on rank 0]), TensorBoard's model summary the wrapped
+        model's; evaluate inside `fit` gets fit's, already so."""
+        if inside_fit:
             yield callbacks
             return
         from tfsmp.checkpoint import fit_resume
 
         state = self.runtime_state()
+        world = state.comm.world
         user = fit_resume.user_callbacks(callbacks)
-        with tensorboard_views(user, self, state.comm.world, 1):  # no epoch ends: no weights
-            yield on_this_rank(user, state.rank)
+        mine, guarded = plan_callbacks(user, verbose, False, self, world, 1, entry)
+        if not mine:
+            yield callbacks
+            return
+        with writer_guards(mine, guarded, self, world, 1):  # no epoch ends: no weights
+            yield mine
 
     @property
     def metrics(self) -> list[Any]:

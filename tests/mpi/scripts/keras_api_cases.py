@@ -7,6 +7,7 @@ every rank where that is the point). Every case re-initializes tfsmp with its ow
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -515,4 +516,99 @@ def case_a_tensorboard_failing_while_it_logs_weights_fails_every_rank(ctx: objec
         return {"errors": errors, "trained_after": len(loss), "labels": seen_labels}
     finally:
         if tfsmp.rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def case_a_writer_failing_on_rank_0_fails_every_rank(ctx: object) -> dict[str, object]:
+    """The log writers and the progress bar run on world rank 0 only ([Note: a writer failing
+    on rank 0]). When one fails there (a CSVLogger that cannot open its file, a progress bar
+    whose pipe closed mid-epoch, Keras's own or the user's, between collective checkpoint
+    saves; a TensorBoard failing at a batch; a progress bar in evaluate and predict), every
+    rank raises at once (the peers with rank 0's error), and the ranks go on."""
+    import io
+    import shutil
+    import sys
+    import tempfile
+
+    class ClosedPipe(io.StringIO):
+        """Rank 0's stdout: breaks after ``writes`` writes."""
+
+        def __init__(self, writes: int) -> None:
+            super().__init__()
+            self.left = writes
+
+        def write(self, text: str) -> int:
+            self.left -= 1
+            if self.left < 0:
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(text)
+
+    class BrokenBatch(keras.callbacks.TensorBoard):  # type: ignore[misc]
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            super().on_train_batch_end(batch, logs)
+            if batch == 2:
+                raise RuntimeError("no batch scalars")
+
+    _init()
+    x, y = _data()
+    _, dm = _pair()
+    root = tfsmp.allgather(tempfile.mkdtemp(prefix="wf-") if tfsmp.rank() == 0 else None)[0]
+    rank0 = tfsmp.rank() == 0
+
+    def attempt(run: Callable[[], object], pipe: int | None = None) -> str:
+        kept = sys.stdout
+        if pipe is not None and rank0:
+            sys.stdout = ClosedPipe(pipe)
+        try:
+            run()
+            return ""
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        finally:
+            sys.stdout = kept
+
+    def saver() -> keras.callbacks.Callback:
+        return keras.callbacks.ModelCheckpoint(os.path.join(root, "m.weights.h5"),
+                                               save_weights_only=True, save_freq=1)
+
+    errors = {}
+    try:
+        errors["csv"] = attempt(lambda: dm.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
+            keras.callbacks.CSVLogger(os.path.join(root, "missing", "log.csv"))]))
+        errors["keras_bar"] = attempt(lambda: dm.fit(
+            x, y, batch_size=16, epochs=1, verbose=1, callbacks=[saver()]), pipe=0)
+        errors["user_bar"] = attempt(lambda: dm.fit(
+            x, y, batch_size=16, epochs=1, verbose=1,
+            callbacks=[saver(), keras.callbacks.ProgbarLogger()]), pipe=0)
+        errors["board"] = attempt(lambda: dm.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
+            BrokenBatch(os.path.join(root, "tb"), update_freq=1)]))
+        errors["evaluate"] = attempt(lambda: dm.evaluate(x, y, batch_size=16, verbose=1), pipe=0)
+        errors["predict"] = attempt(lambda: dm.predict(x, batch_size=16, verbose=1), pipe=0)
+        # Horovod's idiom: the writers on rank 0 only, verbose=0 elsewhere; their peers come
+        # from rank 0's list, at rank 0's places among the checkpoint saves
+        errors["rank0_only"] = attempt(lambda: dm.fit(
+            x, y, batch_size=16, epochs=1, verbose=1 if rank0 else 0,
+            callbacks=[saver(), BrokenBatch(os.path.join(root, "tb0"), update_freq=1)]
+            if rank0 else [saver()]), pipe=None)
+        csv = os.path.join(root, "rank0.csv")
+        errors["rank0_only_works"] = attempt(lambda: dm.fit(
+            x, y, batch_size=16, epochs=2, verbose=2 if rank0 else 0,
+            callbacks=[keras.callbacks.CSVLogger(csv), saver()] if rank0 else [saver()]),
+            pipe=None)
+        rows = len(open(csv).read().splitlines()) if rank0 else None
+        # a checkpoint save on some ranks only cannot be collective: refused before any step
+        errors["savers_differ"] = attempt(lambda: dm.fit(
+            x, y, batch_size=16, epochs=1, verbose=0, callbacks=[saver()] if rank0 else []))
+        # the job goes on: the ranks still meet, and train, with a progress bar
+        kept, sys.stdout = sys.stdout, io.StringIO()
+        try:
+            history = dm.fit(x, y, batch_size=16, epochs=2, verbose=1)
+            printed = sys.stdout.getvalue()
+        finally:
+            sys.stdout = kept
+        return {"errors": errors, "trained_after": len(history.history["loss"]),
+                "history_is_models": history is dm.history, "printed": "loss:" in printed,
+                "csv_rows": rows}
+    finally:
+        if rank0:
             shutil.rmtree(root, ignore_errors=True)
