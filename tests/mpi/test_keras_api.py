@@ -222,4 +222,5 @@ def test_a_log_writer_or_progress_bar_failing_on_rank_0_fails_every_rank(results
     # the model's (tfsmp appends the History and the bar where Keras would)
     assert a["trained_after"] == b["trained_after"] == 2
     assert a["history_is_models"] and b["history_is_models"]
+    assert a["history_keys"] == b["history_keys"] == ["learning_rate", "loss"]
     assert a["printed"] and not b["printed"]

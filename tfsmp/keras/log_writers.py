@@ -110,9 +110,12 @@ def _signature(callback: Any) -> tuple[str, str]:
 
 
 def plan_callbacks(callbacks: list[Any], verbose: Any, history: bool, model: Any, world: Any,
-                   partitions: int, entry: str) -> tuple[list[Any], dict[int, Writer]]:
-    """The callbacks this world rank hands Keras's loop, and (on rank 0) what each one it runs
-    for every rank is, by ``id`` ([Note: a writer failing on rank 0]). Two small collectives:
+                   partitions: int, entry: str
+                   ) -> tuple[list[Any], list[Any], dict[int, Writer]]:
+    """The callbacks this world rank hands Keras's loop in the user's place, those it appends
+    after everything else (where Keras appends its History and progress bar), and (on rank 0)
+    what each one it runs for every rank is, by ``id`` ([Note: a writer failing on rank 0]).
+    Two small collectives:
     the ranks' callbacks and ``verbose`` are gathered, so that the writers and the progress
     bar world rank 0 runs have their peers at the same places on the other ranks, also where a
     script passes them on rank 0 only (Horovod's idiom: ``if hvd.rank() == 0:
@@ -125,7 +128,7 @@ def plan_callbacks(callbacks: list[Any], verbose: Any, history: bool, model: Any
             saves are collective).
     """
     if world.size == 1:
-        return list(callbacks), {}
+        return list(callbacks), [], {}
     mine = [_signature(c) for c in callbacks]
     with collective_label("the callbacks' agreement", api=False):
         everyone = world.allgather_obj((mine, verbose))
@@ -138,18 +141,17 @@ def plan_callbacks(callbacks: list[Any], verbose: Any, history: bool, model: Any
                          for c, (k, _) in zip(callbacks, mine)]
             world.bcast_obj(described, root=0)
             end = [keras.callbacks.ProgbarLogger()] if bar else []
-            plan = [*callbacks, *_history(callbacks, history and bar), *end]
             guarded = {id(c): w for c, w in zip(callbacks, described) if w is not None}
             guarded.update({id(c): bar_writer for c in end})
-            return plan, guarded
+            return list(callbacks), [*_history(callbacks, history and bar), *end], guarded
         writers0 = world.bcast_obj(None, root=0)
     peers = {i: WriterPeer(w, model, world, partitions)
              for i, w in enumerate(writers0) if w is not None}
     own = [c for c in callbacks if not isinstance(c, RANK_ZERO)]
     plan = _place(first, peers, own, [sig for sig, _ in everyone])
-    if bar:
-        plan += [*_history(callbacks, history), WriterPeer(bar_writer, model, world, partitions)]
-    return plan, {}
+    end = ([*_history(callbacks, history), WriterPeer(bar_writer, model, world, partitions)]
+           if bar else [])
+    return plan, end, {}
 
 
 _BAR = f"{keras.callbacks.ProgbarLogger.__module__}.{keras.callbacks.ProgbarLogger.__qualname__}"

@@ -493,11 +493,12 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         user = fit_resume.user_callbacks(callbacks)
         world, parts = self._state.comm.world, self._state.config.partitions
         # [Note: one writer of the logs], [Note: a writer failing on rank 0]
-        mine, guarded = plan_callbacks(user, verbose, True, self, world, parts, "fit")
-        wrapped = fit_resume.fit_callbacks(self, sampler(x, batch_size), mine)
+        mine, end, guarded = plan_callbacks(user, verbose, True, self, world, parts, "fit")
+        wrapped = fit_resume.fit_callbacks(self, sampler(x, batch_size), mine) + end
         self._terminate_on_nan = any(isinstance(c, keras.callbacks.TerminateOnNaN) for c in user)
         try:
-            with writer_guards(mine, guarded, self, world, parts):  # [Note: TensorBoard's weights]
+            # [Note: TensorBoard's weights]
+            with writer_guards(mine + end, guarded, self, world, parts):
                 history = super().fit(x, y, batch_size, epochs, self._rank_verbose(verbose),
                                       wrapped, **kwargs)
         finally:
@@ -547,12 +548,12 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         state = self.runtime_state()
         world = state.comm.world
         user = fit_resume.user_callbacks(callbacks)
-        mine, guarded = plan_callbacks(user, verbose, False, self, world, 1, entry)
-        if not mine:
+        mine, end, guarded = plan_callbacks(user, verbose, False, self, world, 1, entry)
+        if not mine + end:
             yield callbacks
             return
-        with writer_guards(mine, guarded, self, world, 1):  # no epoch ends: no weights
-            yield mine
+        with writer_guards(mine + end, guarded, self, world, 1):  # no epoch ends: no weights
+            yield mine + end
 
     @property
     def metrics(self) -> list[Any]:

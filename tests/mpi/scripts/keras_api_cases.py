@@ -602,12 +602,16 @@ def case_a_writer_failing_on_rank_0_fails_every_rank(ctx: object) -> dict[str, o
         # the job goes on: the ranks still meet, and train, with a progress bar
         kept, sys.stdout = sys.stdout, io.StringIO()
         try:
-            history = dm.fit(x, y, batch_size=16, epochs=2, verbose=1)
+            # a callback's change to the epoch's logs reaches History, which runs after the
+            # user's callbacks as in Keras (tfsmp appends it with the progress bar)
+            history = dm.fit(x, y, batch_size=16, epochs=2, verbose=1, callbacks=[
+                keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05)])
             printed = sys.stdout.getvalue()
         finally:
             sys.stdout = kept
         return {"errors": errors, "trained_after": len(history.history["loss"]),
                 "history_is_models": history is dm.history, "printed": "loss:" in printed,
+                "history_keys": sorted(history.history),
                 "csv_rows": rows}
     finally:
         if rank0:
