@@ -31,7 +31,8 @@ BOUND = 10.0          # s from the fault to the end of mpirun (observed: under 1
 STALL_TIMEOUT = 3.0   # s, the watchdog limit the stall cases lower to after warming up
 LAUNCH_BOUND = 180.0  # s, hard limit of one launch, TF start-up on a shared 2-core CI included
 GRACE = 5.0           # s after mpirun exits within which no process of the job may remain
-STALLS = ("stall", "skip", "allreduce")  # reported by the watchdog: one tagged message
+STALLS = ("stall", "skip", "allreduce", "deadlock")  # reported by the watchdog: one message
+DEADLOCK_AFTER = 10.0  # s, tfsmp.comm.watchdog.DEADLOCK_AFTER (the pure tests pin it)
 # Not anchored at a line start: mpirun may glue a rank's unterminated earlier output to a line.
 TAG = r"\[rank {r} \| pp_rank {s}\] "
 
@@ -76,6 +77,14 @@ FAULTS = {
         # the rank that skipped waits in smp.barrier: both stall, whichever times out first says
         says=r"waited more than stall_timeout=3\.0s in (allgather_obj #\d+ on the world group "
              r"\(the per-step batch agreement\)|barrier #1 on the user_world group in "
+             r"smp\.barrier), a collective call every rank of the group \(ranks 0, 1\) must "
+             r"make\. Arrived: rank [01]\. Not arrived: rank [01] \(it waits in "),
+    "skipped_step_found_as_deadlock": Fault(  # the same fault under the default 600 s limit
+        "deadlock", 2, 2, bound=DEADLOCK_AFTER + 3 + BOUND, failing={0: 0, 1: 1},
+        says=r"can never finish its wait \(found after 1\ds, without waiting for "
+             r"stall_timeout=600\.0s: every rank of the job waits in a collective call that not "
+             r"all ranks made, or has ended its script\) in (allgather_obj #\d+ on the world "
+             r"group \(the per-step batch agreement\)|barrier #1 on the user_world group in "
              r"smp\.barrier), a collective call every rank of the group \(ranks 0, 1\) must "
              r"make\. Arrived: rank [01]\. Not arrived: rank [01] \(it waits in "),
 }
@@ -180,7 +189,7 @@ def test_an_exception_ends_the_job_with_the_failing_ranks_tagged_traceback(name:
         assert re.search(r"^2 +\| 2 +\| .*\| running +\| 2F0 +\| [\d.]+ s \| computing", table,
                          re.M), table
         assert re.search(r"^[01] +\| [01] +\| .*\| waiting +\| [01]RECV_B0<[12] ", table, re.M)
-    if fault.mode in ("skip", "allreduce"):  # rank 1 skipped a step: the table shows where
+    if fault.mode in ("skip", "allreduce", "deadlock"):  # rank 1 skipped a step: the table shows where
         reporter = next(r for r in fault.failing if "rank | pp_rank | host" in
                         run.result.rank_stderr.get(r, ""))
         table = _watchdog_table(run, reporter, fault.np)

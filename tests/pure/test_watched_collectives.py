@@ -224,3 +224,60 @@ def test_a_watched_call_costs_tens_of_microseconds(tmp_path: Path) -> None:
     per_call = (time.perf_counter() - start) / n
     dog.close()
     assert per_call < 200e-6, f"{per_call * 1e6:.1f} µs per call"  # measured ~20 µs
+
+
+# [Note: certain deadlocks]: every rank waits in a world collective none of which can finish
+
+
+def test_ranks_waiting_in_different_world_collectives_are_a_certain_deadlock(
+        tmp_path: Path) -> None:
+    r0, r1 = Watchdog(0, 2, [0, 1], str(tmp_path)), _rank1(tmp_path)
+    user_world = 3
+    with r1.collective(Call(user_world, "barrier", 1, "smp.barrier", "", (0, 1))):
+        with r0.collective(_get_weights(3)):
+            assert r0._deadlock() is not None and r1._deadlock() is not None
+            assert r0._deadlock() == r0._deadlock()  # the same records: the streak counts up
+            text = r0._deadlock_message("", _get_weights(3), 12.4)
+    assert text == (
+        "[rank 0 | pp_rank 0] can never finish its wait (found after 12s, without waiting for "
+        "stall_timeout=0.0s: every rank of the job waits in a collective call that not all "
+        "ranks made, or has ended its script) in allgather_obj #3 on the world group in "
+        "DistributedModel.get_weights, a collective call every rank of the group (ranks 0, 1) "
+        "must make. Arrived: rank 0. Not arrived: rank 1 (it waits in barrier #1 on the "
+        "user_world group in smp.barrier). `DistributedModel.get_weights()` gathers from every "
+        "rank: call it on every rank, not only where rank == 0, and in the same order "
+        "everywhere.")
+    r0.close()
+    r1.close()
+
+
+def test_a_rank_whose_script_ended_is_a_certain_deadlock_for_one_in_a_collective(
+        tmp_path: Path) -> None:
+    r0, r1 = Watchdog(0, 2, [0, 1], str(tmp_path)), _rank1(tmp_path)
+    r1.exited()
+    with r0.collective(_get_weights(3)):
+        assert r0._deadlock() is not None
+    r0.close()
+    r1.close()
+
+
+def test_waits_that_may_still_end_are_no_deadlock(tmp_path: Path) -> None:
+    r0, r1 = Watchdog(0, 2, [0, 1], str(tmp_path)), _rank1(tmp_path)
+    with r0.collective(_get_weights(3)):
+        assert r0._deadlock() is None          # rank 1 computes: it may come
+        with r1.collective(_get_weights(3)):
+            assert r0._deadlock() is None      # both in the same call: it finishes
+        r1.waiting("activations of microbatch 0 from stage 0")
+        assert r0._deadlock() is None          # a pipeline receive, not a collective
+        with r1.collective(Call(2, "allreduce_", 1, "", "", (1,))):
+            assert r0._deadlock() is None      # a data-group collective: its members unknown
+    r0.close()
+    r1.close()
+
+
+def test_the_deadlock_search_waits_ten_seconds_then_two_more_readings() -> None:
+    from tfsmp.comm import watchdog
+
+    # tests/mpi/test_faults.py bounds the deadlock fault with these
+    assert watchdog.DEADLOCK_AFTER == 10.0
+    assert watchdog._DEADLOCK_STREAK == 2

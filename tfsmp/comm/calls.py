@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["GROUP_NAMES", "Call", "collective_label", "describe", "explain", "labels"]
+__all__ = ["GROUP_NAMES", "Call", "arrival", "collective_label", "describe", "explain", "labels"]
 
 # Group index -> name; the order of `Comm.groups()`, then Horovod's communicator.
 GROUP_NAMES = ("world", "pipeline", "data", "user_world", "user_pipeline", "user_data",
@@ -128,7 +128,7 @@ class _Record(Protocol):
     process: str   # "running", "stopped", "gone", "" (unknown: another host)
 
 
-def _arrived(call: Call, st: _Record) -> str | None:
+def arrival(call: Call, st: _Record) -> str | None:
     """"arrived", "other" (inside this call number under another name) or None."""
     count = st.seqs[call.group] if 0 <= call.group < len(st.seqs) else 0
     if count > call.seq:
@@ -184,7 +184,7 @@ def explain(call: Call, me: int, statuses: Mapping[int, _Record | None], outer: 
         st = statuses.get(rank)
         # a stopped or dead member cannot finish the call even if it entered it
         usable = st is not None and st.process not in ("stopped", "gone")
-        found = _arrived(call, st) if st is not None and usable else None
+        found = arrival(call, st) if st is not None and usable else None
         (arrived if found == "arrived" else other if found == "other" else absent).append(rank)
     text = (f"{lead}, a collective call every rank of the group ({_ranks(list(call.ranks))}) "
             f"must make. Arrived: {_ranks(sorted(arrived))}.")

@@ -53,6 +53,19 @@ rank as waiting and a monitor thread, started on first use and waking once a sec
 the watchdog when such a wait exceeds the limit. mpi4py releases the GIL inside MPI calls and
 initializes MPI with MPI_THREAD_MULTIPLE, so the thread can print and abort while the main thread
 sits in the collective.
+
+[Note: certain deadlocks] ``stall_timeout`` (600 s by default) must allow for a slow rank, so a
+script that makes a collective call on some ranks only (``if rank == 0: model.save(...)``, a
+skipped step) would wait that long although the records already show that no rank can ever go
+on. After `DEADLOCK_AFTER` seconds in a collective, the monitor thread reads every rank's record
+and ends the job at once, with the stall report, when all of these hold: every rank's record is
+readable on this host and its process is not stopped (a debugger may resume it); every rank
+waits in a collective of a group whose members are all ranks (world, user_world), has ended its
+script, or is gone; no such call can finish (some rank has not arrived in it, [Note: who
+arrived] in tfsmp/comm/calls.py); and the records stay the same for `_DEADLOCK_STREAK` more
+readings, a second apart. A rank that computes, waits for a pipeline message or sits in a
+collective of a smaller group (whose members a record does not name) may still go on: then the
+limit applies as before.
 """
 
 from __future__ import annotations
@@ -74,7 +87,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from tfsmp import failure, relaunch
-from tfsmp.comm.calls import GROUP_NAMES, Call, collective_label, describe, explain
+from tfsmp.comm.calls import GROUP_NAMES, Call, arrival, collective_label, describe, explain
 from tfsmp.errors import ConfigError, StepError
 from tfsmp.failure import DIR_ENV, default_directory
 from tfsmp.tempdirs import private_dir
@@ -98,6 +111,10 @@ _CRC_AT = _RECORD.size
 _SIZE = 512
 
 _NO_CALL = (-1, 0, b"", b"", b"")  # the call fields of a record outside any call
+# [Note: certain deadlocks] the groups whose members are every rank of the job
+_WORLDS = (GROUP_NAMES.index("world"), GROUP_NAMES.index("user_world"))
+DEADLOCK_AFTER = 10.0  # s a rank waits before it looks for a certain deadlock
+_DEADLOCK_STREAK = 2  # the same records seen this many more times, a second apart
 NONE, RUNNING, WAITING, IDLE, EXITED = 0, 1, 2, 3, 4
 _STATE_NAMES = {NONE: "started", RUNNING: "running", WAITING: "waiting", IDLE: "idle",
                 EXITED: "exited"}
@@ -397,17 +414,61 @@ class Watchdog:
         self._monitor.start()
 
     def _watch(self, main: int | None) -> None:
+        seen: tuple[Any, ...] | None = None
+        streak = 0
         while not self._closed:
             time.sleep(min(1.0, self.limit / 4))
             what, call = self._blocked, self._call
             mine = self.read(self.rank)
             if what is None or mine is None or mine.state != "waiting":
+                seen, streak = None, 0
                 continue
-            if time.time() - mine.since > self.limit:
-                frame = sys._current_frames().get(main) if main is not None else None
+            waited = time.time() - mine.since
+            frame = sys._current_frames().get(main) if main is not None else None
+            if waited > self.limit:
                 with contextlib.suppress(StepError):
                     self.expire(self._stall_message(what, call), frame)
                 return
+            if call is None or call.peer is not None or waited < DEADLOCK_AFTER:
+                continue
+            # [Note: certain deadlocks]
+            found = self._deadlock()
+            streak = streak + 1 if found is not None and found == seen else 0
+            seen = found
+            if streak >= _DEADLOCK_STREAK:
+                with contextlib.suppress(StepError):
+                    self.expire(self._deadlock_message(what, call, waited), frame)
+                return
+
+    def _deadlock(self) -> tuple[Any, ...] | None:
+        """Every rank's record, when together they show a certain deadlock ([Note: certain
+        deadlocks]); else None."""
+        records: list[Any] = [self.read(r) for r in range(self.size)]
+        calls: list[Call] = []
+        for st in records:
+            if st is None or st.process in ("", "stopped"):  # unknown, or may be resumed
+                return None
+            if st.state == "exited" or st.process == "gone":
+                continue
+            if st.state != "waiting" or st.group not in _WORLDS or st.call_seq <= 0:
+                return None  # computing, or in a wait that may end
+            calls.append(Call(st.group, st.op, st.call_seq, st.api, st.what,
+                              tuple(range(self.size))))
+        if not calls:
+            return None
+        for call in calls:
+            if all(arrival(call, st) == "arrived" for st in records if st is not None):
+                return None  # this call can finish, and its ranks go on
+        return tuple((st.state, st.group, st.call_seq, st.op, st.api, st.seqs, st.since)
+                     for st in records if st is not None)
+
+    def _deadlock_message(self, what: str, call: Call, waited: float) -> str:
+        statuses: dict[int, Any] = {r: self.read(r) for r in call.ranks}
+        own = describe(call.group, call.op, call.seq, call.api, call.what)
+        return (f"[{self.tag}] can never finish its wait (found after {waited:.0f}s, without "
+                f"waiting for stall_timeout={self.limit}s: every rank of the job waits in a "
+                f"collective call that not all ranks made, or has ended its script) "
+                + explain(call, self.rank, statuses, "" if what == own else what))
 
     def _stall_message(self, what: str, call: Call | None) -> str:
         """What the monitor says of a wait past the limit ([Note: who arrived])."""
