@@ -262,4 +262,4 @@ def test_a_backup_killed_part_way_is_never_restored_wrongly(
 
 def test_fault_cases_cover_the_issue() -> None:
     assert {f.mode for f in FAULTS.values()} == {"middle", "sigkill", "callback", "data", "stall",
-                                                  "skip", "save_kill", "allreduce"}
+                                                  "skip", "save_kill", "allreduce", "deadlock"}
