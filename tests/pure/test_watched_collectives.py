@@ -233,11 +233,11 @@ def test_ranks_waiting_in_different_world_collectives_are_a_certain_deadlock(
         tmp_path: Path) -> None:
     r0, r1 = Watchdog(0, 2, [0, 1], str(tmp_path)), _rank1(tmp_path)
     user_world = 3
-    with r1.collective(Call(user_world, "barrier", 1, "smp.barrier", "", (0, 1))):
-        with r0.collective(_get_weights(3)):
-            assert r0._deadlock() is not None and r1._deadlock() is not None
-            assert r0._deadlock() == r0._deadlock()  # the same records: the streak counts up
-            text = r0._deadlock_message("", _get_weights(3), 12.4)
+    with (r1.collective(Call(user_world, "barrier", 1, "smp.barrier", "", (0, 1))),
+          r0.collective(_get_weights(3))):
+        assert r0._deadlock() is not None and r1._deadlock() is not None
+        assert r0._deadlock() == r0._deadlock()  # the same records: the streak counts up
+        text = r0._deadlock_message("", _get_weights(3), 12.4)
     assert text == (
         "[rank 0 | pp_rank 0] can never finish its wait (found after 12s, without waiting for "
         "stall_timeout=0.0s: every rank of the job waits in a collective call that not all "

@@ -96,16 +96,17 @@ class Writer:
                    int(callback.embeddings_freq or 0) if board else 0)
 
 
-def _savers() -> tuple[type, ...]:
-    """The callbacks whose work is collective (their saves: world rank 0 writes)."""
-    from tfsmp.checkpoint.callbacks import BackupAndRestore
-
-    return (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore, BackupAndRestore)
+def _saves(callback: Any) -> bool:
+    """Whether ``callback``'s work is collective (its saves: world rank 0 writes): Keras's
+    checkpointing callbacks and tfsmp's (tfsmp.checkpoint, a layer above this one)."""
+    return isinstance(callback, (keras.callbacks.ModelCheckpoint,
+                                 keras.callbacks.BackupAndRestore)) or any(
+        cls.__module__.startswith("tfsmp.checkpoint") for cls in type(callback).__mro__)
 
 
 def _signature(callback: Any) -> tuple[str, str]:
     kind = ("writer" if isinstance(callback, RANK_ZERO) else
-            "saver" if isinstance(callback, _savers()) else "other")
+            "saver" if _saves(callback) else "other")
     return kind, f"{type(callback).__module__}.{type(callback).__qualname__}"
 
 

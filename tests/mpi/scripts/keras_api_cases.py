@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -595,7 +596,7 @@ def case_a_writer_failing_on_rank_0_fails_every_rank(ctx: object) -> dict[str, o
             x, y, batch_size=16, epochs=2, verbose=2 if rank0 else 0,
             callbacks=[keras.callbacks.CSVLogger(csv), saver()] if rank0 else [saver()]),
             pipe=None)
-        rows = len(open(csv).read().splitlines()) if rank0 else None
+        rows = len(Path(csv).read_text().splitlines()) if rank0 else None
         # a checkpoint save on some ranks only cannot be collective: refused before any step
         errors["savers_differ"] = attempt(lambda: dm.fit(
             x, y, batch_size=16, epochs=1, verbose=0, callbacks=[saver()] if rank0 else []))
