@@ -275,6 +275,29 @@ def test_waits_that_may_still_end_are_no_deadlock(tmp_path: Path) -> None:
     r1.close()
 
 
+def test_a_data_group_collective_is_judged_by_the_topology_s_members(tmp_path: Path) -> None:
+    """p=2, d=2, placement "cluster": stage = rank % 2, replica = rank // 2; the data groups
+    are {0, 2} and {1, 3}, the pipeline groups {0, 1} and {2, 3}."""
+    dogs = [Watchdog(r, 4, [0, 1, 0, 1], str(tmp_path), data_ranks=[0, 0, 1, 1])
+            for r in range(4)]
+    data, user_world = 2, 3
+    assert dogs[0]._members(data, 2) == (0, 2) and dogs[0]._members(1, 3) == (2, 3)
+    assert dogs[0]._members(6, 0) is None  # Horovod's
+    barrier = Call(user_world, "barrier", 1, "smp.barrier", "", (0, 1, 2, 3))
+    with (dogs[0].collective(Call(data, "allreduce_", 4, "", "gradients", (0, 2))),
+          dogs[1].collective(barrier), dogs[3].collective(barrier)):
+        assert dogs[1]._deadlock() is None  # rank 2 computes: it may still come
+        with dogs[2].collective(barrier):
+            # rank 0 waits for rank 2 in their data group; 1, 2, 3 wait for 0 in the barrier
+            assert dogs[1]._deadlock() is not None
+    with (dogs[0].collective(Call(data, "allreduce_", 4, "", "", (0, 2))),
+          dogs[2].collective(Call(data, "allreduce_", 4, "", "", (0, 2))),
+          dogs[1].collective(barrier), dogs[3].collective(barrier)):
+        assert dogs[1]._deadlock() is None  # 0 and 2 can finish their allreduce
+    for dog in dogs:
+        dog.close()
+
+
 def test_the_deadlock_search_waits_ten_seconds_then_two_more_readings() -> None:
     from tfsmp.comm import watchdog
 

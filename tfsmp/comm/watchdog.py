@@ -60,11 +60,11 @@ skipped step) would wait that long although the records already show that no ran
 on. After `DEADLOCK_AFTER` seconds in a collective, the monitor thread reads every rank's record
 and ends the job at once, with the stall report, when all of these hold: every rank's record is
 readable on this host and its process is not stopped (a debugger may resume it); every rank
-waits in a collective of a group whose members are all ranks (world, user_world), has ended its
-script, or is gone; no such call can finish (some rank has not arrived in it, [Note: who
-arrived] in tfsmp/comm/calls.py); and the records stay the same for `_DEADLOCK_STREAK` more
-readings, a second apart. A rank that computes, waits for a pipeline message or sits in a
-collective of a smaller group (whose members a record does not name) may still go on: then the
+waits in a collective of a group whose members the topology gives (world, pipeline, data and
+their user_ twins; not Horovod's), has ended its script, or is gone; no such call can finish
+(some member has not arrived in it, [Note: who arrived] in tfsmp/comm/calls.py); and the
+records stay the same for `_DEADLOCK_STREAK` more readings, a second apart. A rank that
+computes, waits for a pipeline message, or sits in a Horovod reduction may still go on: then the
 limit applies as before.
 """
 
@@ -111,8 +111,8 @@ _CRC_AT = _RECORD.size
 _SIZE = 512
 
 _NO_CALL = (-1, 0, b"", b"", b"")  # the call fields of a record outside any call
-# [Note: certain deadlocks] the groups whose members are every rank of the job
-_WORLDS = (GROUP_NAMES.index("world"), GROUP_NAMES.index("user_world"))
+# [Note: certain deadlocks] the groups whose members a record's rank gives (with the topology)
+_SPLIT = ("pipeline", "user_pipeline", "data", "user_data")
 DEADLOCK_AFTER = 10.0  # s a rank waits before it looks for a certain deadlock
 _DEADLOCK_STREAK = 2  # the same records seen this many more times, a second apart
 NONE, RUNNING, WAITING, IDLE, EXITED = 0, 1, 2, 3, 4
@@ -161,6 +161,9 @@ class Watchdog:
         size: World size.
         pipeline_rank_of: World rank -> pipeline rank (``Topology.pipeline_rank_of``), or a
             sequence.
+        data_ranks: World rank -> data rank (``Topology.data_rank_of``), which with the
+            pipeline ranks gives the members of a rank's pipeline and data groups ([Note:
+            certain deadlocks]); None: only the world groups' members are known.
         directory: Where status files go (default: `default_directory`).
         limit: Seconds a blocking wait may last before `blocking` expires (0 disables the
             monitor thread; the executor applies its own ``stall_timeout`` to receives).
@@ -168,9 +171,11 @@ class Watchdog:
 
     def __init__(self, rank: int, size: int,
                  pipeline_rank_of: Callable[[int], int] | Sequence[int],
-                 directory: str | None = None, *, limit: float = 0.0) -> None:
+                 directory: str | None = None, *, limit: float = 0.0,
+                 data_ranks: Sequence[int] | None = None) -> None:
         self.rank, self.size, self.limit = rank, size, float(limit)
         self.pipeline_ranks = pipeline_rank_of
+        self.data_ranks = tuple(data_ranks) if data_ranks is not None else None
         self.pipeline_rank = self.pipeline_rank_of(rank)
         self.host = socket.gethostname()
         self.tag = f"rank {rank} | pp_rank {self.pipeline_rank}"
@@ -450,17 +455,28 @@ class Watchdog:
                 return None
             if st.state == "exited" or st.process == "gone":
                 continue
-            if st.state != "waiting" or st.group not in _WORLDS or st.call_seq <= 0:
+            members = self._members(st.group, st.rank)
+            if st.state != "waiting" or members is None or st.call_seq <= 0:
                 return None  # computing, or in a wait that may end
-            calls.append(Call(st.group, st.op, st.call_seq, st.api, st.what,
-                              tuple(range(self.size))))
+            calls.append(Call(st.group, st.op, st.call_seq, st.api, st.what, members))
         if not calls:
             return None
         for call in calls:
-            if all(arrival(call, st) == "arrived" for st in records if st is not None):
+            if all(arrival(call, records[r]) == "arrived" for r in call.ranks):
                 return None  # this call can finish, and its ranks go on
         return tuple((st.state, st.group, st.call_seq, st.op, st.api, st.seqs, st.since)
                      for st in records if st is not None)
+
+    def _members(self, group: int, rank: int) -> tuple[int, ...] | None:
+        """The world ranks of ``rank``'s group ``group`` (None: not known here)."""
+        name = GROUP_NAMES[group] if 0 <= group < len(GROUP_NAMES) else "other"
+        if name in ("world", "user_world"):
+            return tuple(range(self.size))
+        if self.data_ranks is None or name not in _SPLIT:
+            return None  # Horovod's and others' members are not this layer's to know
+        ranks = (self.data_ranks if name in ("pipeline", "user_pipeline") else
+                 tuple(self.pipeline_rank_of(r) for r in range(self.size)))
+        return tuple(r for r in range(self.size) if ranks[r] == ranks[rank])
 
     def _deadlock_message(self, what: str, call: Call, waited: float) -> str:
         statuses: dict[int, Any] = {r: self.read(r) for r in call.ranks}
@@ -610,15 +626,16 @@ def for_process() -> Watchdog | None:
         return None
     size = st.topology.world_size
     pipeline_ranks = [st.topology.pipeline_rank_of(r) for r in range(size)]
+    data_ranks = tuple(st.topology.data_rank_of(r) for r in range(size))
     old = _PROCESS[2] if _PROCESS is not None else None
-    if old is not None and (old.rank, old.size, old.pipeline_ranks) == (st.rank, size,
-                                                                            pipeline_ranks):
+    if old is not None and (old.rank, old.size, old.pipeline_ranks, old.data_ranks) == (
+            st.rank, size, pipeline_ranks, data_ranks):
         old.limit = limit  # the same layout: keep the file, steps count on
         _PROCESS = (st, limit, old)
         return old
     if old is not None:  # close first: the new one reuses the file name
         old.close()
-    dog = Watchdog(st.rank, size, pipeline_ranks, limit=limit)
+    dog = Watchdog(st.rank, size, pipeline_ranks, limit=limit, data_ranks=data_ranks)
     _PROCESS = (st, limit, dog)
     return dog
 
