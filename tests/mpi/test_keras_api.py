@@ -223,4 +223,6 @@ def test_a_log_writer_or_progress_bar_failing_on_rank_0_fails_every_rank(results
     assert a["trained_after"] == b["trained_after"] == 2
     assert a["history_is_models"] and b["history_is_models"]
     assert a["history_keys"] == b["history_keys"] == ["learning_rate", "loss"]
+    # a ProgbarLogger subclass passed by the user is the bar (before: tfsmp added a second)
+    assert a["own_bar_epoch_lines"] == 1 and b["own_bar_epoch_lines"] == 0
     assert a["printed"] and not b["printed"]

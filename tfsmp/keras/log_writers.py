@@ -2,8 +2,10 @@
 
 Example::
 
-    callbacks = on_this_rank([keras.callbacks.CSVLogger("log.csv")], rank=1, world=world)
-    # [WriterPeer(CSVLogger)]: it meets rank 0 at each of CSVLogger's hooks
+    mine, end, guarded = plan_callbacks([keras.callbacks.CSVLogger("log.csv")], verbose, True,
+                                        model, world, partitions, "fit")
+    # on world rank 1: mine == [WriterPeer(CSVLogger)], which meets rank 0 at each of
+    # CSVLogger's hooks; on rank 0 the CSVLogger itself, run under writer_guards(...)
 
 [Note: one writer of the logs] Every rank runs Keras's `fit` with the same callbacks and the
 same logs (the step gives every rank the loss and metrics), so a callback that writes the logs
@@ -28,7 +30,7 @@ each hook the writer implements (its class overrides Keras's empty default), ran
 writer and then broadcasts a stop message carrying its error, if any, which the peer waits
 for; the peer raises a `StepError` naming rank 0's error, and rank 0 raises its own. The
 progress bar Keras adds on rank 0 (``verbose`` not 0) is put in the list by tfsmp instead
-(`progress_bar`), at the end where Keras puts it, so that it has a peer too. The cost is one
+(`plan_callbacks`), at the end where Keras puts it, so that it has a peer too. The cost is one
 small broadcast per such hook: per batch for the progress bar at ``verbose=1`` (where it
 prints per batch) and for TensorBoard (which writes batch scalars), per epoch for the rest.
 """
@@ -116,13 +118,13 @@ def plan_callbacks(callbacks: list[Any], verbose: Any, history: bool, model: Any
     """The callbacks this world rank hands Keras's loop in the user's place, those it appends
     after everything else (where Keras appends its History and progress bar), and (on rank 0)
     what each one it runs for every rank is, by ``id`` ([Note: a writer failing on rank 0]).
-    Two small collectives:
-    the ranks' callbacks and ``verbose`` are gathered, so that the writers and the progress
-    bar world rank 0 runs have their peers at the same places on the other ranks, also where a
-    script passes them on rank 0 only (Horovod's idiom: ``if hvd.rank() == 0:
-    callbacks.append(TensorBoard(...))``, ``verbose=1 if hvd.rank() == 0 else 0``). Keras's
-    own progress bar (and in ``fit`` the History before it) is appended where Keras appends
-    them when world rank 0's ``verbose`` asks for one and rank 0 passed none.
+    One small collective: the ranks' callbacks are gathered with world rank 0's description of
+    its writers and of the progress bar it runs, so that they have their peers at the same
+    places on the other ranks, also where a script passes them on rank 0 only (Horovod's idiom:
+    ``if hvd.rank() == 0: callbacks.append(TensorBoard(...))``, ``verbose=1 if hvd.rank() == 0
+    else 0``). Keras's own progress bar (and in ``fit`` the History before it) is appended where
+    Keras appends them when world rank 0's ``verbose`` asks for one and rank 0 passed none (of
+    any ProgbarLogger class, as Keras looks for one).
 
     Raises:
         StepError: on every rank alike, when ranks pass different checkpointing callbacks (their
@@ -131,35 +133,31 @@ def plan_callbacks(callbacks: list[Any], verbose: Any, history: bool, model: Any
     if world.size == 1:
         return list(callbacks), [], {}
     mine = [_signature(c) for c in callbacks]
+    described: list[Writer | None] = []
+    end: list[Any] = []
+    if world.rank == 0:
+        described = [Writer.of(c, verbose) if k == "writer" else None
+                     for c, (k, _) in zip(callbacks, mine)]
+        if verbose != 0 and not any(isinstance(c, keras.callbacks.ProgbarLogger)
+                                    for c in callbacks):
+            end = [keras.callbacks.ProgbarLogger()]
+    bar = Writer.of(end[0], verbose) if end else None
     with collective_label("the callbacks' agreement", api=False):
-        everyone = world.allgather_obj((mine, verbose))
-        first, verbose0 = everyone[0]
-        _check_savers([sig for sig, _ in everyone], model, entry)
-        bar = verbose0 != 0 and not any(k == "writer" and n == _BAR for k, n in first)
-        bar_writer = Writer("ProgbarLogger", _bar_hooks(verbose0))
-        if world.rank == 0:
-            described = [Writer.of(c, verbose) if k == "writer" else None
-                         for c, (k, _) in zip(callbacks, mine)]
-            world.bcast_obj(described, root=0)
-            end = [keras.callbacks.ProgbarLogger()] if bar else []
-            guarded = {id(c): w for c, w in zip(callbacks, described) if w is not None}
-            guarded.update({id(c): bar_writer for c in end})
-            return list(callbacks), [*_history(callbacks, history and bar), *end], guarded
-        writers0 = world.bcast_obj(None, root=0)
+        everyone = world.allgather_obj((mine, (described, bar) if world.rank == 0 else None))
+    signatures = [sig for sig, _ in everyone]
+    _check_savers(signatures, model, entry)
+    if world.rank == 0:
+        guarded = {id(c): w for c, w in zip([*callbacks, *end], [*described, bar])
+                   if w is not None}
+        return list(callbacks), [*_history(callbacks, history and bar is not None), *end], guarded
+    writers0, bar = everyone[0][1]
     peers = {i: WriterPeer(w, model, world, partitions)
              for i, w in enumerate(writers0) if w is not None}
     own = [c for c in callbacks if not isinstance(c, RANK_ZERO)]
-    plan = _place(first, peers, own, [sig for sig, _ in everyone])
-    end = ([*_history(callbacks, history), WriterPeer(bar_writer, model, world, partitions)]
-           if bar else [])
+    plan = _place(signatures[0], peers, own, signatures)
+    end = ([*_history(callbacks, history), WriterPeer(bar, model, world, partitions)]
+           if bar is not None else [])
     return plan, end, {}
-
-
-_BAR = f"{keras.callbacks.ProgbarLogger.__module__}.{keras.callbacks.ProgbarLogger.__qualname__}"
-
-
-def _bar_hooks(verbose: Any) -> tuple[str, ...]:
-    return Writer.of(keras.callbacks.ProgbarLogger(), verbose).hooks
 
 
 def _history(callbacks: list[Any], wanted: bool) -> list[Any]:

@@ -608,11 +608,21 @@ def case_a_writer_failing_on_rank_0_fails_every_rank(ctx: object) -> dict[str, o
             history = dm.fit(x, y, batch_size=16, epochs=2, verbose=1, callbacks=[
                 keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05)])
             printed = sys.stdout.getvalue()
+            history_is_models = history is dm.history
+            # a user's own progress bar class takes the place of Keras's (Keras looks for
+            # any ProgbarLogger): one bar prints, not two
+            sys.stdout = io.StringIO()
+
+            class Bar(keras.callbacks.ProgbarLogger):  # type: ignore[misc]
+                pass
+
+            dm.fit(x, y, batch_size=16, epochs=2, verbose=1, callbacks=[Bar()])
+            own_bar = sys.stdout.getvalue().count("Epoch 1/2")
         finally:
             sys.stdout = kept
         return {"errors": errors, "trained_after": len(history.history["loss"]),
-                "history_is_models": history is dm.history, "printed": "loss:" in printed,
-                "history_keys": sorted(history.history),
+                "history_is_models": history_is_models, "printed": "loss:" in printed,
+                "history_keys": sorted(history.history), "own_bar_epoch_lines": own_bar,
                 "csv_rows": rows}
     finally:
         if rank0:
