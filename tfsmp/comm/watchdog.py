@@ -429,20 +429,19 @@ class Watchdog:
                 seen, streak = None, 0
                 continue
             waited = time.time() - mine.since
-            frame = sys._current_frames().get(main) if main is not None else None
+            message = None
             if waited > self.limit:
+                message = self._stall_message(what, call)
+            elif call is not None and call.peer is None and waited >= DEADLOCK_AFTER:
+                found = self._deadlock()  # [Note: certain deadlocks]
+                streak = streak + 1 if found is not None and found == seen else 0
+                seen = found
+                if streak >= _DEADLOCK_STREAK:
+                    message = self._deadlock_message(what, call, waited)
+            if message is not None:
+                frame = sys._current_frames().get(main) if main is not None else None
                 with contextlib.suppress(StepError):
-                    self.expire(self._stall_message(what, call), frame)
-                return
-            if call is None or call.peer is not None or waited < DEADLOCK_AFTER:
-                continue
-            # [Note: certain deadlocks]
-            found = self._deadlock()
-            streak = streak + 1 if found is not None and found == seen else 0
-            seen = found
-            if streak >= _DEADLOCK_STREAK:
-                with contextlib.suppress(StepError):
-                    self.expire(self._deadlock_message(what, call, waited), frame)
+                    self.expire(message, frame)
                 return
 
     def _deadlock(self) -> tuple[Any, ...] | None:
@@ -479,12 +478,17 @@ class Watchdog:
         return tuple(r for r in range(self.size) if ranks[r] == ranks[rank])
 
     def _deadlock_message(self, what: str, call: Call, waited: float) -> str:
-        statuses: dict[int, Any] = {r: self.read(r) for r in call.ranks}
-        own = describe(call.group, call.op, call.seq, call.api, call.what)
         return (f"[{self.tag}] can never finish its wait (found after {waited:.0f}s, without "
                 f"waiting for stall_timeout={self.limit}s: every rank of the job waits in a "
                 f"collective call that not all ranks made, or has ended its script) "
-                + explain(call, self.rank, statuses, "" if what == own else what))
+                + self._explain(what, call))
+
+    def _explain(self, what: str, call: Call) -> str:
+        """Who arrived in ``call`` and why the others did not ([Note: who arrived])."""
+        members = call.ranks if call.peer is None else (call.peer,)
+        statuses: dict[int, Any] = {r: self.read(r) for r in members}
+        own = describe(call.group, call.op, call.seq, call.api, call.what)
+        return explain(call, self.rank, statuses, "" if what == own else what)
 
     def _stall_message(self, what: str, call: Call | None) -> str:
         """What the monitor says of a wait past the limit ([Note: who arrived])."""
@@ -492,10 +496,7 @@ class Watchdog:
         if call is None:
             return (f"{head}for {what}. A peer rank is stuck or failed; see its row below. "
                     f"Raise stall_timeout in the config if steps are legitimately slow.")
-        members = call.ranks if call.peer is None else (call.peer,)
-        statuses: dict[int, Any] = {r: self.read(r) for r in members}
-        own = describe(call.group, call.op, call.seq, call.api, call.what)
-        return head + explain(call, self.rank, statuses, "" if what == own else what)
+        return head + self._explain(what, call)
 
     def close(self, remove_directory: bool = False) -> None:
         """Stops the monitor and removes this rank's file (and, if asked, the directory once
