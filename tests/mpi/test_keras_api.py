@@ -197,7 +197,10 @@ def test_a_log_writer_or_progress_bar_failing_on_rank_0_fails_every_rank(results
              "evaluate": "ProgbarLogger.on_test_batch_end",
              "predict": "ProgbarLogger.on_predict_batch_end",
              "rank0_only": "BrokenBatch.on_train_batch_end"}
-    assert set(a["errors"]) == {*where, "rank0_only_works", "savers_differ"}
+    assert set(a["errors"]) == {*where, "rank0_only_works", "savers_differ", "rank0_own_callback"}
+    # and where rank 0 also passes a callback of its own: the peers go among the saves
+    assert a["errors"]["rank0_own_callback"] == b["errors"]["rank0_own_callback"] == ""
+    assert a["mixed_csv_rows"] == 3
     # Horovod's idiom (writers on rank 0 only, verbose=0 elsewhere) trains, one writer of the CSV
     assert a["errors"]["rank0_only_works"] == b["errors"]["rank0_only_works"] == ""
     assert a["csv_rows"] == 3  # header + 2 epochs

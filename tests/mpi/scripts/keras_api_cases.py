@@ -597,6 +597,14 @@ def case_a_writer_failing_on_rank_0_fails_every_rank(ctx: object) -> dict[str, o
             callbacks=[keras.callbacks.CSVLogger(csv), saver()] if rank0 else [saver()]),
             pipe=None)
         rows = len(Path(csv).read_text().splitlines()) if rank0 else None
+        # rank 0 also passes a callback of its own (no collective): the peers are placed among
+        # the checkpoint saves, the callbacks every rank passed alike
+        csv2 = os.path.join(root, "mixed.csv")
+        errors["rank0_own_callback"] = attempt(lambda: dm.fit(
+            x, y, batch_size=16, epochs=2, verbose=0,
+            callbacks=[keras.callbacks.LambdaCallback(), saver(),
+                       keras.callbacks.CSVLogger(csv2)] if rank0 else [saver()]))
+        rows2 = len(Path(csv2).read_text().splitlines()) if rank0 else None
         # a checkpoint save on some ranks only cannot be collective: refused before any step
         errors["savers_differ"] = attempt(lambda: dm.fit(
             x, y, batch_size=16, epochs=1, verbose=0, callbacks=[saver()] if rank0 else []))
@@ -623,7 +631,7 @@ def case_a_writer_failing_on_rank_0_fails_every_rank(ctx: object) -> dict[str, o
         return {"errors": errors, "trained_after": len(history.history["loss"]),
                 "history_is_models": history_is_models, "printed": "loss:" in printed,
                 "history_keys": sorted(history.history), "own_bar_epoch_lines": own_bar,
-                "csv_rows": rows}
+                "csv_rows": rows, "mixed_csv_rows": rows2}
     finally:
         if rank0:
             shutil.rmtree(root, ignore_errors=True)
