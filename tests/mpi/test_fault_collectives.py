@@ -143,6 +143,26 @@ def test_a_tfsmp_error_after_init_prints_one_tagged_line_per_job(tmp_path: Path)
                      lines[0]), lines
 
 
+def test_ranks_in_different_apis_at_one_call_number_fail_naming_both(tmp_path: Path) -> None:
+    # [Note: the same call]: MPI matched rank 0's evaluate with rank 1's predict, and each rank
+    # went on with the other's object
+    run = _launch(tmp_path, "different_calls")
+    _check_ended(run)
+    err = run.result.stderr
+    found = re.findall(r"\[rank (\d) \| pp_rank \d\] CommError: Every rank of a group must make "
+                       r"the same collective calls in the same order, and call #\d+ of the world "
+                       r"group differs between ranks\. Received: this rank \(world rank (\d)\) is "
+                       r"in allgather_obj #\d+ on the world group in DistributedModel\.(\w+) "
+                       r"\(the callbacks' agreement\); world rank (\d) is in allgather_obj #\d+ "
+                       r"on the world group in DistributedModel\.(\w+) \(the callbacks' "
+                       r"agreement\)\. Fix: call tfsmp's collective APIs", err)
+    assert found, run.result.describe()
+    for rank, me, mine, other, theirs in found:
+        assert rank == me and other == str(1 - int(me)), found
+        assert (mine, theirs) == (("evaluate", "predict") if me == "0" else ("predict", "evaluate"))
+    assert "UNREACHABLE" not in run.result.stdout
+
+
 @pytest.mark.full  # CI; the default run has a tfsmp error after init and tests/mpi/test_faults.py
 def test_a_label_out_of_range_is_reported_once_by_the_failing_rank(tmp_path: Path) -> None:
     run = _launch(tmp_path, "bad_label")

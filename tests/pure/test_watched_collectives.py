@@ -304,3 +304,24 @@ def test_the_deadlock_search_waits_ten_seconds_then_two_more_readings() -> None:
     # tests/mpi/test_faults.py bounds the deadlock fault with these
     assert watchdog.DEADLOCK_AFTER == 10.0
     assert watchdog._DEADLOCK_STREAK == 2
+
+
+def test_a_call_whose_peers_sent_another_signature_names_both_calls() -> None:
+    # [Note: the same call]: the signature carries the labels, and a difference names both
+    from tfsmp.comm.calls import same_call, signature
+    from tfsmp.errors import CommError
+
+    group = SimpleNamespace(index=0, ranks=[0, 1], rank=0, calls=7)
+    with collective_label("DistributedModel.fit"), \
+            collective_label("the per-step batch agreement", api=False):
+        mine = signature("allgather_obj")
+    with collective_label("DistributedModel.save"):
+        theirs = signature("allgather_obj")
+    assert mine == ("allgather_obj", "DistributedModel.fit", "the per-step batch agreement")
+    same_call(group, mine, {0: mine, 1: mine})  # the same call: nothing raised
+    with pytest.raises(CommError, match=re.escape(
+            "call #7 of the world group differs between ranks. Received: this rank (world rank "
+            "0) is in allgather_obj #7 on the world group in DistributedModel.fit (the per-step "
+            "batch agreement); world rank 1 is in allgather_obj #7 on the world group in "
+            "DistributedModel.save. Fix: call tfsmp's collective APIs")):
+        same_call(group, mine, {0: mine, 1: theirs})

@@ -24,6 +24,17 @@ that same call (or has left it: a broadcast's root may); it called *something el
 inside call ``#n`` of ``g`` under another name or operation; otherwise it has *not arrived*, and
 its process state says why: stopped (SIGSTOP, a debugger), gone, finished its script, inside
 another group's collective, or computing.
+
+[Note: the same call] MPI matches a group's collectives by their order alone: two ranks at the
+same call number in different APIs (a script that catches one rank's error and calls `fit`
+again, whose callbacks' agreement then meets the other ranks' per-step batch agreement) are
+matched, and each gets the other's object, a confusing failure at best and a wrong value at
+worst. So every object collective (``allgather_obj``, ``bcast_obj``) sends its `signature` (the
+operation and this thread's labels) with its object, and `same_call` compares what arrives with
+this rank's own: a difference raises a `CommError` naming both calls, on every rank that sees
+it (for a broadcast, the receivers), before any rank uses the object. A signature is a tuple of
+three short strings, pickled with the object (under a microsecond); the buffer collectives
+(``allreduce_``, ``barrier``) carry no object and are not checked.
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["GROUP_NAMES", "Call", "arrival", "collective_label", "describe", "explain", "labels"]
+__all__ = ["GROUP_NAMES", "Call", "arrival", "collective_label", "describe", "explain", "labels",
+           "same_call", "signature"]
 
 # Group index -> name; the order of `Comm.groups()`, then Horovod's communicator.
 GROUP_NAMES = ("world", "pipeline", "data", "user_world", "user_pipeline", "user_data",
@@ -101,6 +113,52 @@ class Call:
         what = next((text for text, is_api in reversed(stack) if text != api), "")
         return Call(int(getattr(group, "index", OTHER_GROUP)), op, seq, api, what,
                     tuple(getattr(group, "ranks", ())), peer)
+
+
+def signature(op: str) -> tuple[str, str, str]:
+    """What identifies a collective call across ranks: its operation and labels ([Note: the
+    same call]); the call number is the group's, counted alike on every rank."""
+    c = Call.of(None, op, 0)
+    return (op, c.api, c.what)
+
+
+def same_call(group: Any, sig: tuple[str, str, str], received: Mapping[int, Any]) -> None:
+    """Raises unless every received signature equals this rank's ``sig`` ([Note: the same call]).
+
+    Args:
+        group: The group of the call (its ``index``, ``ranks``, ``rank`` and ``calls``).
+        sig: This rank's `signature` of the call.
+        received: Group rank -> the signature that rank sent.
+
+    Raises:
+        CommError: naming this rank's call and every rank's that differs.
+    """
+    odd = {r: s for r, s in received.items() if s != sig}
+    if not odd:
+        return
+    from tfsmp.errors import CommError
+
+    index = int(getattr(group, "index", OTHER_GROUP))
+    ranks = list(getattr(group, "ranks", ()))
+    seq = int(getattr(group, "calls", 0))
+
+    def world(r: int) -> int:
+        return int(ranks[r]) if 0 <= r < len(ranks) else r
+
+    me = world(int(getattr(group, "rank", 0)))
+    theirs = "; ".join(
+        f"world rank {world(r)} is in "
+        + (describe(index, s[0], seq, s[1], s[2]) if isinstance(s, tuple) and len(s) == 3
+           else f"a call that sent no signature ({s!r})")
+        for r, s in sorted(odd.items()))
+    raise CommError(
+        f"Every rank of a group must make the same collective calls in the same order, and "
+        f"call #{seq} of the {GROUP_NAMES[index] if 0 <= index < len(GROUP_NAMES) else 'other'} "
+        f"group differs between ranks. Received: this rank (world rank {me}) is in "
+        f"{describe(index, sig[0], seq, sig[1], sig[2])}; {theirs}. Fix: call tfsmp's "
+        f"collective APIs (fit, evaluate, predict, save, get_weights, smp.broadcast, ...) on "
+        f"every rank in the same order; a script that catches an error on one rank and goes on "
+        f"leaves the ranks at different calls.")
 
 
 def describe(group: int, op: str, seq: int, api: str, what: str) -> str:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tfsmp.comm.base import REDUCE_OPS, Comm, Group, check_buffer
+from tfsmp.comm.calls import same_call, signature
 from tfsmp.comm.watchdog import watched
 from tfsmp.errors import CommError
 
@@ -167,12 +168,18 @@ class MpiGroup(Group):
 
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
         self.check_peer(root, "root")
+        sig = signature("bcast_obj")  # [Note: the same call] in tfsmp/comm/calls.py
         with watched(self, "bcast_obj"):
-            return self.mpi_comm.bcast(obj, root=root)
+            theirs, obj = self.mpi_comm.bcast((sig, obj), root=root)
+        same_call(self, sig, {root: theirs})
+        return obj
 
     def allgather_obj(self, obj: Any) -> list[Any]:
+        sig = signature("allgather_obj")  # [Note: the same call] in tfsmp/comm/calls.py
         with watched(self, "allgather_obj"):
-            return list(self.mpi_comm.allgather(obj))
+            got = self.mpi_comm.allgather((sig, obj))
+        same_call(self, sig, {r: s for r, (s, _) in enumerate(got)})
+        return [o for _, o in got]
 
     def barrier(self) -> None:
         with watched(self, "barrier"):

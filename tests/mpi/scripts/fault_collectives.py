@@ -149,6 +149,20 @@ def run_one_rank_only() -> None:
         print("UNREACHABLE: the one-rank call returned", flush=True)
 
 
+def run_different_calls() -> None:
+    """Rank 0 evaluates while rank 1 predicts: their first collectives meet at one call number
+    ([Note: the same call] in tfsmp/comm/calls.py)."""
+    x, y = data()
+    dm = compiled()
+    dm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    print(f"FAULT {time.time():.3f} rank {tfsmp.rank()}", flush=True)
+    if tfsmp.rank() == 0:
+        dm.evaluate(x, y, batch_size=BATCH, verbose=0)
+    else:
+        dm.predict(x, batch_size=BATCH, verbose=0)
+    print("UNREACHABLE: the different calls returned", flush=True)
+
+
 def run_no_compile() -> None:
     x, y = data()
     dm = tfsmp.DistributedModel(build_model())
@@ -182,6 +196,8 @@ def main() -> None:
         return  # rank 1 ends its script here; rank 0 waits in the collective
     elif MODE == "no_compile":
         run_no_compile()
+    elif MODE == "different_calls":
+        run_different_calls()
     elif MODE == "bad_label":
         run_bad_label()
     else:
