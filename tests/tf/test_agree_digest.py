@@ -25,6 +25,19 @@ def test_permuted_resized_or_retyped_batches_differ() -> None:
     assert batch_digest((x, 1)) != batch_digest((x, 2))  # Python values enter by value
 
 
+def test_bfloat16_and_float8_batches_are_digested_by_their_bytes() -> None:
+    # Keras's mixed_bfloat16 and quantized policies feed ml_dtypes arrays, which have no buffer
+    # format: the digest raised "cannot include dtype 'E' in a buffer" before every step
+    import ml_dtypes
+
+    x = np.random.default_rng(0).normal(size=(32, 5)).astype(ml_dtypes.bfloat16)
+    assert batch_digest(x) == batch_digest(x.copy())
+    assert batch_digest(x) != batch_digest(x[::-1])
+    assert batch_digest(x) != batch_digest(x.view(np.float16))  # same bytes, another dtype
+    e4m3 = np.array(1.5, ml_dtypes.float8_e4m3fn)  # a 0-d leaf
+    assert batch_digest(e4m3) == batch_digest(e4m3.copy()) != batch_digest(e4m3 * 2)
+
+
 def test_large_leaves_hash_a_row_sample_that_still_sees_a_permutation(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(data, "DIGEST_BYTES", 1 << 12)  # 4 KB: the 64 KB batch is sampled

@@ -88,7 +88,9 @@ def _leaf_digest(leaf: Any) -> tuple[Any, ...]:
         sample = np.ascontiguousarray(a[np.unique(rows)])
     else:
         sample = np.ascontiguousarray(a)
-    return (a.shape, a.dtype.str, zlib.crc32(sample.data))
+    # as bytes: a buffer of ml_dtypes' bfloat16 or float8 (Keras's mixed_bfloat16 and quantized
+    # policies feed them) has no buffer format ("cannot include dtype 'E' in a buffer")
+    return (a.shape, str(a.dtype), zlib.crc32(sample.reshape(-1).view(np.uint8).data))
 
 
 def batch_digest(batch: Any) -> tuple[Any, ...]:
