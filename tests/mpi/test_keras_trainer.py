@@ -130,6 +130,11 @@ def test_keras_saving_functions_take_the_distributed_model(results: dict) -> Non
     assert r["keras_file"] == [True, True, True], r  # compiled, same predictions and optimizer
     assert r["weights_file"] and r["loaded_into_dm"] and r["file_object"], r
     assert r["h5_and_export"] == [True, True], r  # legacy .h5 and Keras's export(), too
+    # TensorFlow's own SavedModel save: the whole model, its serving signature plain Keras's
+    assert r["tf_saved_model"] is True, r
+    assert r["tf_saved_signatures"].startswith(
+        "CheckpointError: tf.saved_model.save of a DistributedModel writes the whole model with "
+        "its default serving signature"), r
     # Keras's own argument errors, as keras.Model.save raises them
     assert r["save_format"].startswith(
         "ValueError: The `save_format` argument is deprecated in Keras 3."), r

@@ -763,6 +763,52 @@ def save_model(dm: Any, save_path: str = "/opt/ml/model") -> None:
     export_model(dm, str(save_path), verbose=False, input_signature=None)
 
 
+@collective_label("tf.saved_model.save")
+def tf_saved_model_save(dm: Any, export_dir: Any, signatures: Any = None, options: Any = None,
+                        original: Callable[..., Any] | None = None) -> None:
+    """``tf.saved_model.save`` of a `DistributedModel` ([Note: Keras's saving functions] in
+    tfsmp/checkpoint/keras_saving.py): every rank calls it; world rank 0 rebuilds the whole
+    unpartitioned model in one process with the gathered weights and runs TensorFlow's own
+    ``original`` save on it, so the directory is what plain Keras would write (its
+    ``serving_default`` signature included), and every rank returns once it is written.
+
+    Raises:
+        CheckpointError: ``signatures`` given (they trace the partitioned model, whose
+            variables live on several ranks), before any work; or the save failed on rank 0.
+    """
+    if signatures is not None:
+        raise CheckpointError(
+            "tf.saved_model.save of a DistributedModel writes the whole model with its default "
+            "serving signature: signatures made of the pipelined model's functions would run "
+            "every stage on one rank, whose variables live on several. Received: signatures="
+            f"{type(signatures).__name__}. Fix: drop signatures=, or use "
+            "model.export(path, input_signature=...), which exports the whole model.")
+    if original is None:
+        import tensorflow as tf
+
+        original = tf.saved_model.save
+    world = dm.runtime_state().comm.world
+    tmpdir = tempfile.mkdtemp(prefix=".tfsmp-export-") if world.rank == 0 else ""
+    weights_file = os.path.join(tmpdir, "model.weights.h5")
+    try:
+        save_weights(dm, weights_file if world.rank == 0 else "unused.weights.h5")
+        outcome = None
+        if world.rank == 0:
+            try:
+                original(_standalone_copy(dm, weights_file), os.fspath(export_dir),
+                         options=options)
+            except Exception as e:  # every rank raises it
+                outcome = f"{type(e).__name__}: {e}"
+        outcome = world.bcast_obj(outcome, root=0)
+        if outcome is not None:
+            raise CheckpointError(
+                f"The SavedModel could not be written. Received: {outcome}. Fix: check that "
+                f"the model can be rebuilt from its config (custom layers registered).")
+    finally:
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
 @collective_label("DistributedModel.export")
 def export_model(dm: Any, filepath: str, format: str = "tf_saved_model",
                  verbose: Any = None, input_signature: Any = None, **kwargs: Any) -> None:

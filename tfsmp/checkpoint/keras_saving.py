@@ -16,7 +16,8 @@ every rank calls the function with the same path on a shared file system (every 
 truncate and write the file another rank is writing or already reading). No hook of the model
 runs before Keras opens the file, so the model's own seams (``get_config``,
 ``save_own_variables``) cannot stop a rank from writing. So tfsmp puts a dispatch in front of
-those `saving_lib` functions (`install`, once, when the first `DistributedModel` is made):
+those `saving_lib` functions (and of TensorFlow's ``tf.saved_model.save``, which traces the
+model's call, every stage on one rank) (`install`, once, when the first `DistributedModel` is made):
 given a `DistributedModel`, they run tfsmp's collective export and load
 (tfsmp/checkpoint/export.py: world rank 0 writes what ``keras.Model.save`` would write of the
 unpartitioned model, each rank reads only what it holds); given anything else, Keras's own
@@ -217,6 +218,30 @@ def _dispatch(original: Callable[..., Any], ours: Callable[..., Any], position: 
     return _as_original(dispatch, original)
 
 
+def _saved_model_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``tf.saved_model.save(obj, export_dir, signatures=None, options=None)``: a
+    `DistributedModel` goes to tfsmp's collective save, anything else to TensorFlow's."""
+    def save(obj: Any, export_dir: Any, signatures: Any = None, options: Any = None) -> Any:
+        if _is_distributed(obj):
+            return export.tf_saved_model_save(obj, export_dir, signatures, options,
+                                              original=original)
+        return original(obj, export_dir, signatures=signatures, options=options)
+
+    return _as_original(save, original)
+
+
+def _saved_model_modules() -> list[Any]:
+    """Where ``tf.saved_model.save`` is looked up: the public API module (``tf.saved_model``,
+    whose attribute was bound at import) and TensorFlow's own module."""
+    import sys
+
+    import tensorflow as tf
+
+    modules = [tf.saved_model, sys.modules.get("tensorflow.python.saved_model.save")]
+    compat = getattr(getattr(getattr(tf, "compat", None), "v2", None), "saved_model", None)
+    return [m for m in (*modules, compat) if m is not None and hasattr(m, "save")]
+
+
 def _as_original(dispatch: Callable[..., Any], original: Callable[..., Any]
                  ) -> Callable[..., Any]:
     """``dispatch`` named and documented as ``original``, which `keras_original` finds."""
@@ -233,6 +258,10 @@ def install() -> None:
         current = getattr(module, name)
         if getattr(current, _MARK, None) is None:
             setattr(module, name, _dispatch(current, ours, position))
+    for module in _saved_model_modules():
+        current = module.save
+        if getattr(current, _MARK, None) is None:
+            module.save = _saved_model_dispatch(current)
 
 
 # -- pickling -------------------------------------------------------------------------------

@@ -324,15 +324,17 @@ def _wrap(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 def _redirect_saving() -> None:
     """``saving_lib.save_model(model, path)`` and the other functions of Keras's saving API that
-    take a model get the model's `DistributedModel`, as ``model.save`` does: a user of tfsmp
+    take a model (and ``tf.saved_model.save``) get the model's `DistributedModel`, as ``model.save`` does: a user of tfsmp
     hands them the model they train."""
     import keras
+    import tensorflow as tf
     from keras.src.saving import saving_api, saving_lib
 
     for module, name in ((saving_lib, "save_model"), (saving_lib, "save_weights_only"),
                          (saving_lib, "load_weights_only"), (saving_api, "save_model"),
                          (saving_api, "save_weights"), (saving_api, "load_weights"),
-                         (keras.saving, "save_model"), (keras.models, "save_model")):
+                         (keras.saving, "save_model"), (keras.models, "save_model"),
+                         (tf.saved_model, "save")):
         setattr(module, name, _taking_distributed(module, name, getattr(module, name)))
 
 

@@ -517,6 +517,13 @@ def case_keras_saving_functions_m2(ctx: Any) -> dict[str, Any]:
             warnings.simplefilter("ignore")  # Keras: HDF5 is legacy; the loss is not stored
             keras.saving.save_model(dm, os.path.join(folder, "m.h5"))
         dm.export(os.path.join(folder, "served"))  # Keras's export: a TF SavedModel
+        tf.saved_model.save(dm, os.path.join(folder, "tf_saved"))  # TensorFlow's, every rank
+        out["tf_saved_signatures"] = _error(
+            lambda: tf.saved_model.save(dm, os.path.join(folder, "no"), signatures=dm.call))
+        # every rank reads what world rank 0 wrote: the call returned once it was written
+        restored = tf.saved_model.load(os.path.join(folder, "tf_saved"))
+        out["tf_saved_model"] = bool(_close(restored.signatures["serving_default"](
+            tf.constant(x, tf.float32))["output_0"].numpy(), want))
         if ctx.rank == 0:
             legacy = keras.models.load_model(os.path.join(folder, "m.h5"), compile=False)
             served = tf.saved_model.load(os.path.join(folder, "served"))
@@ -543,8 +550,9 @@ def case_keras_saving_functions_m2(ctx: Any) -> dict[str, Any]:
             saving_lib.load_model(buffer).predict(x, verbose=0), want))
     out["save_format"] = _error(lambda: other.save("m", save_format="keras"))
     out["unknown_argument"] = _error(lambda: other.save("m.keras", invalid_arg=1))
-    return ctx.world.bcast(out, root=0) | {k: out[k] for k in ("loaded_into_dm", "file_object",
-                                                              "save_format", "unknown_argument")}
+    return ctx.world.bcast(out, root=0) | {k: out[k] for k in (
+        "loaded_into_dm", "file_object", "save_format", "unknown_argument", "tf_saved_model",
+        "tf_saved_signatures")}
 
 
 def case_pickle_m2(ctx: Any) -> dict[str, Any]:
