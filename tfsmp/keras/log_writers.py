@@ -89,8 +89,10 @@ class Writer:
     @classmethod
     def of(cls, callback: Any, verbose: Any) -> Writer:
         hooks = hooks_of(type(callback))
-        if isinstance(callback, keras.callbacks.ProgbarLogger) and verbose == 2:
-            # at verbose=2 Keras's progress bar prints at an epoch's end only: no batch hooks
+        quiet = verbose == 2 or (verbose == 0 and type(callback) is keras.callbacks.ProgbarLogger)
+        if isinstance(callback, keras.callbacks.ProgbarLogger) and quiet:
+            # at verbose=2 Keras's progress bar prints at an epoch's end only, and at verbose=0
+            # Keras's own prints nothing (a subclass's hooks may still fail): no batch hooks
             hooks = tuple(h for h in hooks if "batch" not in h)
         board = isinstance(callback, keras.callbacks.TensorBoard)
         return cls(type(callback).__name__, hooks,
