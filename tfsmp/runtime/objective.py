@@ -300,7 +300,10 @@ class Objective:
         masks = [get_keras_mask(t) for t in preds]
 
         def values(rows: np.ndarray) -> list[float]:
-            take = _take(rows)
+            # in float32: whether a loss sums or averages its rows does not depend on the
+            # precision, and a half-precision sum of 3 rows misses a + b by more than the
+            # comparison's 1e-4 (a mixed_bfloat16 or quantized model's outputs)
+            take = _widened(_take(rows))
             parts = []
             for p, m in zip(preds, masks):
                 q = take(p)
@@ -397,6 +400,16 @@ def _take(rows: np.ndarray) -> Any:
     def take(x: Any) -> Any:
         return None if x is None else tf.gather(tf.convert_to_tensor(x), rows)
     return take
+
+
+def _widened(take: Any) -> Any:
+    """``take``, with half-precision floats (float16, bfloat16) cast to float32."""
+    def widened(x: Any) -> Any:
+        t = take(x)
+        if t is not None and t.dtype in (tf.float16, tf.bfloat16):
+            return tf.cast(t, tf.float32)
+        return t
+    return widened
 
 
 def _resolve(path: tuple[Any, ...], obj: Any) -> Any:

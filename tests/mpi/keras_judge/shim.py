@@ -68,14 +68,14 @@ __all__ = ["FORWARDED", "METHODS", "TRAINER_ENTRIES"]
 TRAINER_ENTRIES = frozenset({
     "fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch"})
 FORWARDED = TRAINER_ENTRIES | frozenset({
-    "get_weights", "set_weights", "save", "save_weights", "load_weights",
+    "get_weights", "set_weights", "save", "save_weights", "load_weights", "export",
     "get_metrics_result", "reset_metrics", "metrics", "metrics_names", "metrics_variables",
     "compiled_loss", "compiled_metrics", "optimizer", "stop_training", "history",
     # what Keras's tests compare `metrics` with: the trainer's own trackers
     "_loss_tracker", "_compile_metrics", "_compile_loss",
 })
 METHODS = TRAINER_ENTRIES | frozenset({
-    "get_weights", "set_weights", "save", "save_weights", "load_weights",
+    "get_weights", "set_weights", "save", "save_weights", "load_weights", "export",
     "get_metrics_result", "reset_metrics"})
 SET_FORWARDED = frozenset({"stop_training"})
 # Instance-dict keys. The DistributedModel's is a dunder name: Keras's saving walks every other
