@@ -230,3 +230,23 @@ def test_dry_step_outputs_have_exact_or_unknown_lengths() -> None:
 
     traced(tf.zeros((2, 4), tf.int32))
     assert seen == [[None, None, 5]]
+
+
+def test_a_layer_whose_call_takes_no_training_gets_none_when_its_shape_is_resolved() -> None:
+    # Keras's run_layer_test model calls its layer with training=; Keras strips it for a layer
+    # whose call has no such argument, compute_output_spec does not: an Embedding raised
+    # "unexpected keyword argument 'training'" before the first step
+    class Wrapper(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = keras.layers.Embedding(4, 3)
+
+        def call(self, x: Any, training: bool = False) -> Any:
+            return self.layer(x, training=training)
+
+    model = Wrapper()
+    model(np.zeros((2, 3), np.int64))
+    traced = trace(model)
+    resolver = ShapeResolver(traced, traced.output_keys)
+    (key,) = resolver.input_keys
+    assert list(resolver.shapes({key: (None, 5)}).values()) == [(None, 5, 3)]

@@ -36,7 +36,7 @@ from tfsmp.graph.ir import DTYPE_BYTES
 if TYPE_CHECKING:
     from tfsmp.graph.tracer import TracedModel
 
-__all__ = ["backward_flops", "forward_flops", "input_shapes", "measure_activations",
+__all__ = ["accepted_kwargs", "backward_flops", "forward_flops", "input_shapes", "measure_activations",
            "param_stats", "per_sample", "profile", "resolve_dims", "sample_batch"]
 
 Specs = Sequence[Any]  # KerasTensors (shape with batch axis, dtype)
@@ -383,6 +383,19 @@ def resolve_dims(traced: TracedModel, shapes: Mapping[str, Sequence[int]]) -> in
     return count
 
 
+def accepted_kwargs(layer: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without the call-context arguments (``training``, and those a layer registers)
+    that ``layer``'s ``call`` does not take, as Keras's ``CallSpec`` strips them before a call:
+    a replay of a recorded call through ``compute_output_spec`` (which has no such stripping)
+    otherwise passes ``training`` to a layer whose ``call`` has none (``Embedding``)."""
+    context = getattr(layer, "_call_context_args", ())
+    signature = getattr(layer, "_call_signature", None)
+    if not context or signature is None:
+        return kwargs
+    drop = {k for k in context if k in kwargs and k not in signature.parameters}
+    return {k: v for k, v in kwargs.items() if k not in drop} if drop else kwargs
+
+
 def _spec_costs(call: Any, env: dict[str, Any]) -> tuple[float, float] | None:
     """(forward FLOPs, output bytes) of one call on concrete specs, writing its output specs
     into ``env``; None when its spec cannot be computed."""
@@ -391,7 +404,7 @@ def _spec_costs(call: Any, env: dict[str, Any]) -> tuple[float, float] | None:
     values = {id(t): env[k] for t, k in zip(call.arguments.keras_tensors, call.input_keys)}
     args, kwargs = call.arguments.fill_in(values)
     try:
-        outs = tree.flatten(call.layer.compute_output_spec(*args, **kwargs))
+        outs = tree.flatten(call.layer.compute_output_spec(*args, **accepted_kwargs(call.layer, kwargs)))
     except Exception:  # any layer's own failure: keep the traced estimates
         return None
     ins = [values[id(t)] for t in call.arguments.keras_tensors]

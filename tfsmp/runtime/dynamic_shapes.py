@@ -38,6 +38,7 @@ import keras
 from keras import tree
 
 from tfsmp.errors import StepError
+from tfsmp.graph.costs import accepted_kwargs
 from tfsmp.graph.deferred import deferred_scope
 from tfsmp.graph.reads import placeholder, scratch_graph
 from tfsmp.partitioning.plan import Boundary, StagePlan
@@ -109,7 +110,7 @@ def _spec_call(call: Any, env: dict[str, Any], inputs: dict[str, Shape]) -> None
             return
         values = {id(t): env[k] for t, k in zip(call.arguments.keras_tensors, call.input_keys)}
         args, kwargs = call.arguments.fill_in(values)
-        out = call.layer.compute_output_spec(*args, **kwargs)
+        out = call.layer.compute_output_spec(*args, **accepted_kwargs(call.layer, kwargs))
     except Exception as e:
         raise StepError(
             f"The shapes of tensors crossing stages are computed from the input shapes through "
