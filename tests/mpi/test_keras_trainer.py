@@ -130,6 +130,8 @@ def test_keras_saving_functions_take_the_distributed_model(results: dict) -> Non
     assert r["keras_file"] == [True, True, True], r  # compiled, same predictions and optimizer
     assert r["weights_file"] and r["loaded_into_dm"] and r["file_object"], r
     assert r["h5_and_export"] == [True, True], r  # legacy .h5 and Keras's export(), too
+    # Keras's export serves the model's own input dtype; SMP's save_model the dtype first fed
+    assert r["serving_dtypes"] == [["float32"], ["float64"]], r
     # TensorFlow's own SavedModel save: the whole model, its serving signature plain Keras's
     assert r["tf_saved_model"] is True, r
     assert r["tf_saved_signatures"].startswith(

@@ -760,7 +760,7 @@ def save_model(dm: Any, save_path: str = "/opt/ml/model") -> None:
     from tfsmp.checkpoint.layout import resolve_sagemaker_path
 
     save_path = resolve_sagemaker_path(os.fspath(save_path))
-    export_model(dm, str(save_path), verbose=False, input_signature=None)
+    export_model(dm, str(save_path), verbose=False, input_signature=None, fed_signature=True)
 
 
 @collective_label("tf.saved_model.save")
@@ -811,11 +811,13 @@ def tf_saved_model_save(dm: Any, export_dir: Any, signatures: Any = None, option
 
 @collective_label("DistributedModel.export")
 def export_model(dm: Any, filepath: str, format: str = "tf_saved_model",
-                 verbose: Any = None, input_signature: Any = None, **kwargs: Any) -> None:
+                 verbose: Any = None, input_signature: Any = None, *,
+                 fed_signature: bool = False, **kwargs: Any) -> None:
     """Keras's ``model.export`` of the whole unpartitioned model (every rank calls): world
     rank 0 rebuilds the model in one process with the gathered weights and runs Keras's
-    ``export`` on it with these arguments. Without ``input_signature``, the signature takes
-    inputs of the dtype the model was fed (`save_model`)."""
+    ``export`` on it with these arguments, so without ``input_signature`` the signature is
+    Keras's (the model's own input dtypes). With ``fed_signature`` (SMP's `save_model`) and no
+    ``input_signature``, it takes inputs of the dtype the model was fed instead."""
     world = dm.runtime_state().comm.world
     tmpdir = tempfile.mkdtemp(prefix=".tfsmp-export-") if world.rank == 0 else ""
     weights_file = os.path.join(tmpdir, "model.weights.h5")
@@ -825,7 +827,8 @@ def export_model(dm: Any, filepath: str, format: str = "tf_saved_model",
         if world.rank == 0:
             try:
                 copy = _standalone_copy(dm, weights_file)
-                signature = input_signature or _serving_signature(dm, copy)
+                signature = input_signature or (_serving_signature(dm, copy) if fed_signature
+                                                 else None)
                 copy.export(filepath, format=format, verbose=verbose,
                             input_signature=signature, **kwargs)
             except Exception as e:  # every rank raises it

@@ -516,7 +516,18 @@ def case_keras_saving_functions_m2(ctx: Any) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Keras: HDF5 is legacy; the loss is not stored
             keras.saving.save_model(dm, os.path.join(folder, "m.h5"))
+        from tfsmp.checkpoint import export as tfsmp_export
+
+        # as if the first batch had been float64 (SMP scripts feed x / 255.0): SMP's save_model
+        # serves that dtype, Keras's export the model's own (float32), as plain Keras does
+        tfsmp_export.remember_inputs(dm, x.astype(np.float64))
         dm.export(os.path.join(folder, "served"))  # Keras's export: a TF SavedModel
+        dm.save_model(os.path.join(folder, "smp_served"))
+        out["serving_dtypes"] = [
+            [spec.dtype.name for spec in tf.nest.flatten(tf.saved_model.load(
+                os.path.join(folder, name)).signatures["serving_default"]
+                .structured_input_signature)]
+            for name in ("served", "smp_served")]
         tf.saved_model.save(dm, os.path.join(folder, "tf_saved"))  # TensorFlow's, every rank
         out["tf_saved_signatures"] = _error(
             lambda: tf.saved_model.save(dm, os.path.join(folder, "no"), signatures=dm.call))
@@ -552,7 +563,7 @@ def case_keras_saving_functions_m2(ctx: Any) -> dict[str, Any]:
     out["unknown_argument"] = _error(lambda: other.save("m.keras", invalid_arg=1))
     return ctx.world.bcast(out, root=0) | {k: out[k] for k in (
         "loaded_into_dm", "file_object", "save_format", "unknown_argument", "tf_saved_model",
-        "tf_saved_signatures")}
+        "tf_saved_signatures", "serving_dtypes")}
 
 
 def case_pickle_m2(ctx: Any) -> dict[str, Any]:
