@@ -112,9 +112,13 @@ def _owners(dm: Any, layout: H5Layout) -> dict[int, int]:
         return {}
     out: dict[int, int] = {}
     for i, e in enumerate(layout.entries):
-        key = view.keys.get(id(e.value)) if isinstance(e.value, keras.Variable) else None
-        if key is not None and key in view.writer:
-            out[i] = view.writer[key]  # [Note: one writer per key] in tfsmp/runtime/view.py
+        held = ([e.value] if isinstance(e.value, keras.Variable)
+                else list(getattr(e.layer, "weights", None) or ()))  # [Note: computed entries]
+        for v in held:
+            key = view.keys.get(id(v))
+            if key is not None and key in view.writer:
+                out[i] = view.writer[key]  # [Note: one writer per key] in tfsmp/runtime/view.py
+                break
     return out
 
 
@@ -728,7 +732,44 @@ def _standalone_copy(dm: Any, weights_file: str) -> keras.Model:
     # a copy of an SMP-style `class M(smp.DistributedModel)` is one too: Keras's own load,
     # on this rank alone (the dispatch's collective load hung world rank 0 here)
     keras_original(saving_lib.load_weights_only)(copy, weights_file)
+    # the source model's weight order (the functional's follows its graph): `_assign_exact`
+    object.__setattr__(functional, _SOURCE_ORDER, list(copy.weights))
     return functional
+
+
+_SOURCE_ORDER = "_tfsmp_weights_in_source_order"
+
+
+def _exact_weights(dm: Any) -> list[np.ndarray] | None:
+    """[Note: an exact copy] Every rank calls: the model's weights as they are, gathered, when
+    its Keras weights file does not store them as they are (a layer whose
+    ``save_own_variables`` stores a value computed from its variables: a quantized layer with
+    LoRA stores its kernel with the LoRA product merged in and quantized again), else None.
+
+    A copy loaded from that file (`_standalone_copy`) computes what plain Keras's save and load
+    compute, but an export must serve what the trained model computes (plain Keras's
+    ``model.export`` traces the live variables): outputs differed by ~1e-3 before."""
+    layout = _layout(dm)
+    if all(isinstance(e.value, keras.Variable) for e in layout.entries):
+        return None
+    return list(dm.get_weights())
+
+
+def _assign_exact(copy: keras.Model, weights: list[np.ndarray] | None) -> None:
+    """World rank 0: the copy's weights set to `_exact_weights` (the same model rebuilt from
+    its config holds its weights in the same order)."""
+    if weights is None:
+        return
+    mine = list(getattr(copy, _SOURCE_ORDER, None) or copy.weights)
+    if len(mine) == len(weights) and all(
+            tuple(v.shape) == tuple(np.shape(w)) for v, w in zip(mine, weights)):
+        for v, w in zip(mine, weights):
+            v.assign(w)
+        return
+    raise CheckpointError(
+        f"The exported copy of the model must hold the model's weights. Received: the copy has "
+        f"{len(mine)} weights, the model {len(weights)} (or their shapes differ). Fix: export "
+        f"a model whose config rebuilds it (custom layers registered, get_config complete).")
 
 
 def _serving_signature(dm: Any, model: keras.Model) -> list[Any] | None:
@@ -792,11 +833,13 @@ def tf_saved_model_save(dm: Any, export_dir: Any, signatures: Any = None, option
     weights_file = os.path.join(tmpdir, "model.weights.h5")
     try:
         save_weights(dm, weights_file if world.rank == 0 else "unused.weights.h5")
+        exact = _exact_weights(dm)  # [Note: an exact copy]
         outcome = None
         if world.rank == 0:
             try:
-                original(_standalone_copy(dm, weights_file), os.fspath(export_dir),
-                         options=options)
+                copy = _standalone_copy(dm, weights_file)
+                _assign_exact(copy, exact)
+                original(copy, os.fspath(export_dir), options=options)
             except Exception as e:  # every rank raises it
                 outcome = f"{type(e).__name__}: {e}"
         outcome = world.bcast_obj(outcome, root=0)
@@ -823,10 +866,12 @@ def export_model(dm: Any, filepath: str, format: str = "tf_saved_model",
     weights_file = os.path.join(tmpdir, "model.weights.h5")
     try:
         save_weights(dm, weights_file if world.rank == 0 else "unused.weights.h5")
+        exact = _exact_weights(dm)  # [Note: an exact copy]
         outcome = None
         if world.rank == 0:
             try:
                 copy = _standalone_copy(dm, weights_file)
+                _assign_exact(copy, exact)
                 signature = input_signature or (_serving_signature(dm, copy) if fed_signature
                                                  else None)
                 copy.export(filepath, format=format, verbose=verbose,

@@ -18,6 +18,14 @@ than re-implementing that walk, `record_layout` runs Keras's own ``_save_state``
 that records which variable goes where and reads nothing — so the layout is exact, including
 nested models, and works while most variables live on other ranks. This module is the one
 place tfsmp uses Keras's private saving API.
+
+[Note: computed entries] Some layers store a value computed from their variables, not the
+variables themselves (a quantized `Dense` with LoRA stores its kernel with the LoRA product
+merged in and quantized again). Recording computes it, so on a rank that does not hold the
+layer the walk would read released variables: it runs under `stand_in_reads` (zeros), and
+each such entry records its layer, so that the rank holding the layer, which computed the real
+value, is the one that sends it (`tfsmp.checkpoint.export._owners`); no rank ever writes a
+stand-in.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import io
 import json
 import os
 import struct
+import sys
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -55,6 +64,9 @@ class Entry:
     group: str
     key: str
     value: Any = field(repr=False)
+    # for a value the layer computed ([Note: computed entries]): the layer whose
+    # ``save_own_variables`` stored it
+    layer: Any = field(default=None, repr=False, compare=False)
 
     @property
     def dataset(self) -> str:
@@ -91,7 +103,10 @@ class _Recorder(saving_lib.H5IOStore):  # type: ignore[misc]
         return self
 
     def __setitem__(self, key: str, value: Any) -> None:
-        self.entries.append(Entry(self._group, str(key), value))
+        layer = None
+        if not isinstance(value, keras.Variable):  # [Note: computed entries]
+            layer = sys._getframe(1).f_locals.get("self")  # the saving layer's method
+        self.entries.append(Entry(self._group, str(key), value, layer))
 
     def close(self) -> None:
         pass
@@ -100,9 +115,13 @@ class _Recorder(saving_lib.H5IOStore):  # type: ignore[misc]
 def record_layout(model: keras.Model, skip: tuple[Any, ...] = ()) -> H5Layout:
     """The weights-file layout of ``model``; objects in ``skip`` (e.g. its optimizer) are left
     out. See [Note: Keras weights layout]."""
+    from tfsmp.graph.deferred import stand_in_reads
+
     recorder = _Recorder()
-    saving_lib._save_state(model, weights_store=recorder, assets_store=None, inner_path="",
-                           visited_saveables={id(o) for o in skip if o is not None})
+    with stand_in_reads():  # [Note: computed entries]
+        saving_lib._save_state(model, weights_store=recorder, assets_store=None,
+                               inner_path="", visited_saveables={id(o) for o in skip
+                                                                 if o is not None})
     return H5Layout(recorder.groups, recorder.entries)
 
 

@@ -60,7 +60,22 @@ from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 from tfsmp.errors import StepError
 
-__all__ = ["deferred_scope", "is_deferred", "materialize", "release"]
+__all__ = ["deferred_scope", "is_deferred", "materialize", "release", "stand_in_reads"]
+
+_STAND_IN = {"depth": 0}
+
+
+@contextmanager
+def stand_in_reads() -> Iterator[None]:
+    """Inside, a read of a released variable gives zeros of its shape instead of raising: for
+    walks that need every variable's shape but no value of another stage's (the Keras weights
+    layout: [Note: computed entries] in tfsmp/checkpoint/keras_h5.py). Not thread-safe: the
+    walks run on the main thread."""
+    _STAND_IN["depth"] += 1
+    try:
+        yield
+    finally:
+        _STAND_IN["depth"] -= 1
 
 _GLOBAL_LIST = "uninitialized_variables"  # Keras's registry of deferred variables
 _SAVED = "_tfsmp_initializer"  # attribute keeping an initializer across materialize/release
@@ -170,6 +185,8 @@ class _Released:
         self.initializer = initializer
 
     def __call__(self, shape: Any, dtype: Any = None) -> Any:
+        if _STAND_IN["depth"]:
+            return keras.ops.zeros(shape, dtype=dtype)
         if in_symbolic_scope():
             if self.initializer is not None:
                 return self.initializer(shape, dtype=dtype)

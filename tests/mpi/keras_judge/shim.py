@@ -338,11 +338,46 @@ def _redirect_saving() -> None:
         setattr(module, name, _taking_distributed(module, name, getattr(module, name)))
 
 
+# Keras's (and TensorFlow's) functions that write a file: of a model the test runs plainly
+# (not wrapped, or one that never compiled), only world rank 0 writes ([Note: one writer]).
+_WRITERS = frozenset({"save_model", "save_weights_only", "save_weights", "save"})
+_WRITING = {"depth": 0}
+
+
+def _written_once(function: Callable[..., Any], model: Any, *args: Any, **kwargs: Any) -> Any:
+    """[Note: one writer] Ranks share the test's temporary directory, so a plain model's save
+    on every rank is two processes writing one file (a corrupt or truncated file that a later
+    read fails on, counted against the wrapped run): as a multi-rank script does, world rank 0
+    writes, and every rank goes on once it has (the same error on every rank if it failed)."""
+    comm = _COMM["comm"]
+    result, error = None, None
+    if comm.Get_rank() == 0:
+        _WRITING["depth"] += 1
+        try:
+            result = function(model, *args, **kwargs)
+        except Exception as e:
+            error = e
+        finally:
+            _WRITING["depth"] -= 1
+    _meet("write a plain model's file")
+    text = comm.bcast(None if error is None else f"{type(error).__name__}: {error}", root=0)
+    if error is not None:
+        raise error
+    if text is not None:
+        raise RuntimeError(f"world rank 0 failed to write the file: {text}")
+    return result
+
+
 def _taking_distributed(module: Any, name: str, function: Callable[..., Any]
                         ) -> Callable[..., Any]:
     def redirected(model: Any, *args: Any, **kwargs: Any) -> Any:
         dm = getattr(model, "__dict__", {}).get(DM_KEY) if _INSIDE.value == 0 else None
         if dm is None:
+            target = args[0] if args else kwargs.get("filepath", kwargs.get("export_dir"))
+            if (name in _WRITERS and _INSIDE.value == 0 and _WRITING["depth"] == 0
+                    and "comm" in _COMM and isinstance(target, (str, os.PathLike))
+                    and not _is_tfsmp(model)):
+                return _written_once(function, model, *args, **kwargs)
             return function(model, *args, **kwargs)
         _TEST["used"] = True
         with inside_distributed():
@@ -351,6 +386,12 @@ def _taking_distributed(module: Any, name: str, function: Callable[..., Any]
             return getattr(module, name)(dm, *args, **kwargs)
 
     return redirected
+
+
+def _is_tfsmp(model: Any) -> bool:
+    import tfsmp
+
+    return isinstance(model, tfsmp.DistributedModel)
 
 
 # -- shared temporary directories ([Note: shared temporary directories]) -------------------------

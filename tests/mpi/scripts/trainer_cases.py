@@ -14,6 +14,7 @@ import contextlib
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -564,6 +565,45 @@ def case_keras_saving_functions_m2(ctx: Any) -> dict[str, Any]:
     return ctx.world.bcast(out, root=0) | {k: out[k] for k in (
         "loaded_into_dm", "file_object", "save_format", "unknown_argument", "tf_saved_model",
         "tf_saved_signatures", "serving_dtypes")}
+
+
+def _lora_int8(layer: str) -> Callable[[], keras.Model]:
+    """An MLP whose ``layer`` is quantized to int8 with LoRA on top: Keras saves its kernel with
+    the LoRA product merged in and quantized again (a lossy file)."""
+    def build() -> keras.Model:
+        model = _mlp()
+        model.get_layer(layer).enable_lora(2)
+        model.get_layer(layer).quantize("int8")
+        return model
+    return build
+
+
+def case_export_exact_m2(ctx: Any) -> dict[str, Any]:
+    """[Note: an exact copy] in tfsmp/checkpoint/export.py: Keras's export and TensorFlow's
+    SavedModel of a partitioned model serve what it computes, where its Keras weights file
+    does not hold its weights as they are (quantized with LoRA)."""
+    x, y = _data()
+    out: dict[str, Any] = {}
+    for layer in ("d0", "out"):  # held by world rank 0, then by rank 1 ([Note: computed entries])
+        dm = _pipelined(_lora_int8(layer), _m(ctx), x, ctx)
+        dm.compile(**_compile())
+        dm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+        want = dm.predict(x, verbose=0)
+        with _shared_folder(ctx) as folder:
+            dm.export(os.path.join(folder, "served"))
+            tf.saved_model.save(dm, os.path.join(folder, "tf_saved"))
+            dm.save_weights(os.path.join(folder, "w.weights.h5"))
+            served = tf.saved_model.load(os.path.join(folder, "served"))
+            saved = tf.saved_model.load(os.path.join(folder, "tf_saved"))
+            got = [served.serve(tf.constant(x)).numpy(),
+                   saved.signatures["serving_default"](tf.constant(x))["output_0"].numpy()]
+            out[f"{layer}_max_error"] = [float(np.max(np.abs(g - want))) for g in got]
+            # the weights file is Keras's lossy one (merged and quantized again), read by Keras
+            plain = _lora_int8(layer)()
+            plain.load_weights(os.path.join(folder, "w.weights.h5"))
+            out[f"{layer}_weights_file_error"] = float(np.max(np.abs(
+                plain.predict(x, verbose=0) - want)))
+    return out
 
 
 def case_pickle_m2(ctx: Any) -> dict[str, Any]:
