@@ -740,36 +740,42 @@ def _standalone_copy(dm: Any, weights_file: str) -> keras.Model:
 _SOURCE_ORDER = "_tfsmp_weights_in_source_order"
 
 
-def _exact_weights(dm: Any) -> list[np.ndarray] | None:
-    """[Note: an exact copy] Every rank calls: the model's weights as they are, gathered, when
-    its Keras weights file does not store them as they are (a layer whose
-    ``save_own_variables`` stores a value computed from its variables: a quantized layer with
-    LoRA stores its kernel with the LoRA product merged in and quantized again), else None.
+def _exact_weights(dm: Any) -> tuple[int, dict[int, np.ndarray]] | None:
+    """[Note: an exact copy] Every rank calls: where the model's Keras weights file does not
+    store some layer's weights as they are (its ``save_own_variables`` stores a value computed
+    from them: a quantized layer with LoRA stores its kernel with the LoRA product merged in
+    and quantized again), those layers' weights as they are, gathered ({index in
+    `model_weights`: array}, with the model's weight count); else None.
 
     A copy loaded from that file (`_standalone_copy`) computes what plain Keras's save and load
     compute, but an export must serve what the trained model computes (plain Keras's
-    ``model.export`` traces the live variables): outputs differed by ~1e-3 before."""
-    layout = _layout(dm)
-    if all(isinstance(e.value, keras.Variable) for e in layout.entries):
+    ``model.export`` traces the live variables): outputs differed by ~1e-3 before. Only those
+    layers' weights are gathered: a whole-model gather would hold every weight on every rank."""
+    computed = [e.layer for e in _layout(dm).entries
+                if not isinstance(e.value, keras.Variable) and e.layer is not None]
+    if not computed:
         return None
-    return list(dm.get_weights())
+    wanted = {id(v) for layer in computed for v in getattr(layer, "weights", ())}
+    weights = dm.model_weights()
+    return len(weights), dm.weights_at({i for i, v in enumerate(weights) if id(v) in wanted})
 
 
-def _assign_exact(copy: keras.Model, weights: list[np.ndarray] | None) -> None:
-    """World rank 0: the copy's weights set to `_exact_weights` (the same model rebuilt from
-    its config holds its weights in the same order)."""
-    if weights is None:
+def _assign_exact(copy: keras.Model, exact: tuple[int, dict[int, np.ndarray]] | None) -> None:
+    """World rank 0: the copy's weights at `_exact_weights`'s indices set to its arrays (the
+    same model rebuilt from its config holds its weights in the same order)."""
+    if exact is None:
         return
+    count, arrays = exact
     mine = list(getattr(copy, _SOURCE_ORDER, None) or copy.weights)
-    if len(mine) == len(weights) and all(
-            tuple(v.shape) == tuple(np.shape(w)) for v, w in zip(mine, weights)):
-        for v, w in zip(mine, weights):
-            v.assign(w)
+    if len(mine) == count and all(
+            tuple(mine[i].shape) == tuple(np.shape(a)) for i, a in arrays.items()):
+        for i, a in arrays.items():
+            mine[i].assign(a)
         return
     raise CheckpointError(
         f"The exported copy of the model must hold the model's weights. Received: the copy has "
-        f"{len(mine)} weights, the model {len(weights)} (or their shapes differ). Fix: export "
-        f"a model whose config rebuilds it (custom layers registered, get_config complete).")
+        f"{len(mine)} weights, the model {count} (or their shapes differ). Fix: export a model "
+        f"whose config rebuilds it (custom layers registered, get_config complete).")
 
 
 def _serving_signature(dm: Any, model: keras.Model) -> list[Any] | None:

@@ -666,6 +666,18 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         out: list[np.ndarray] = [merged[i] for i in range(len(variables))]
         return out
 
+    def weights_at(self, indices: set[int]) -> dict[int, np.ndarray]:
+        """The weights at these indices of `model_weights`, gathered on every rank of this
+        rank's pipeline (every rank calls, with the same indices)."""
+        variables = self._all_variables()
+        if self._engine is None:
+            return {i: variables[i].numpy() for i in sorted(indices)}
+        local = {i: variables[i].numpy() for i in self._owned() if i in indices}
+        merged: dict[int, np.ndarray] = {}
+        for part in self._view().groups.pipeline.allgather_obj(local):
+            merged.update(part)
+        return merged
+
     @collective_label("DistributedModel.set_weights")
     def set_weights(self, weights: list[Any]) -> None:
         """Sets all weights (the whole model's list); each rank assigns only its own."""
