@@ -282,7 +282,8 @@ def test_a_data_group_collective_is_judged_by_the_topology_s_members(tmp_path: P
             for r in range(4)]
     data, user_world = 2, 3
     assert dogs[0]._members(data, 2) == (0, 2) and dogs[0]._members(1, 3) == (2, 3)
-    assert dogs[0]._members(6, 0) is None  # Horovod's
+    assert dogs[0]._members(6, 0) == (0, 2)  # Horovod's: its world is the data group
+    assert dogs[0]._members(7, 0) is None    # another group's members are not known
     barrier = Call(user_world, "barrier", 1, "smp.barrier", "", (0, 1, 2, 3))
     with (dogs[0].collective(Call(data, "allreduce_", 4, "", "gradients", (0, 2))),
           dogs[1].collective(barrier), dogs[3].collective(barrier)):
@@ -294,6 +295,11 @@ def test_a_data_group_collective_is_judged_by_the_topology_s_members(tmp_path: P
           dogs[2].collective(Call(data, "allreduce_", 4, "", "", (0, 2))),
           dogs[1].collective(barrier), dogs[3].collective(barrier)):
         assert dogs[1]._deadlock() is None  # 0 and 2 can finish their allreduce
+    horovod = Call(6, "grouped_allreduce", 3, "", "gradients", (0, 2))
+    with (dogs[0].collective(horovod), dogs[1].collective(barrier), dogs[2].collective(barrier),
+          dogs[3].collective(barrier)):
+        # rank 0 waits for rank 2 in a Horovod reduction, 2 never comes: certain
+        assert dogs[1]._deadlock() is not None
     for dog in dogs:
         dog.close()
 

@@ -61,10 +61,10 @@ on. After `DEADLOCK_AFTER` seconds in a collective, the monitor thread reads eve
 and ends the job at once, with the stall report, when all of these hold: every rank's record is
 readable on this host and its process is not stopped (a debugger may resume it); every rank
 waits in a collective of a group whose members the topology gives (world, pipeline, data and
-their user_ twins; not Horovod's), has ended its script, or is gone; no such call can finish
-(some member has not arrived in it, [Note: who arrived] in tfsmp/comm/calls.py); and the
-records stay the same for `_DEADLOCK_STREAK` more readings, a second apart. A rank that
-computes, waits for a pipeline message, or sits in a Horovod reduction may still go on: then the
+their user_ twins, and Horovod's, whose world is the data group), has ended its script, or is
+gone; no such call can finish (some member has not arrived in it, [Note: who arrived] in
+tfsmp/comm/calls.py); and the records stay the same for `_DEADLOCK_STREAK` more readings, a
+second apart. A rank that computes or waits for a pipeline message may still go on: then the
 limit applies as before.
 """
 
@@ -471,8 +471,10 @@ class Watchdog:
         name = GROUP_NAMES[group] if 0 <= group < len(GROUP_NAMES) else "other"
         if name in ("world", "user_world"):
             return tuple(range(self.size))
-        if self.data_ranks is None or name not in _SPLIT:
-            return None  # Horovod's and others' members are not this layer's to know
+        if self.data_ranks is None or name not in (*_SPLIT, "horovod"):
+            return None  # other groups' members are not this layer's to know
+        # Horovod's world is the data-parallel group (init_horovod checks it), and only
+        # tfsmp's reductions through it are counted (HorovodReducer), alike on its members
         ranks = (self.data_ranks if name in ("pipeline", "user_pipeline") else
                  tuple(self.pipeline_rank_of(r) for r in range(self.size)))
         return tuple(r for r in range(self.size) if ranks[r] == ranks[rank])
