@@ -834,28 +834,9 @@ def tf_saved_model_save(dm: Any, export_dir: Any, signatures: Any = None, option
         import tensorflow as tf
 
         original = tf.saved_model.save
-    world = dm.runtime_state().comm.world
-    tmpdir = tempfile.mkdtemp(prefix=".tfsmp-export-") if world.rank == 0 else ""
-    weights_file = os.path.join(tmpdir, "model.weights.h5")
-    try:
-        save_weights(dm, weights_file if world.rank == 0 else "unused.weights.h5")
-        exact = _exact_weights(dm)  # [Note: an exact copy]
-        outcome = None
-        if world.rank == 0:
-            try:
-                copy = _standalone_copy(dm, weights_file)
-                _assign_exact(copy, exact)
-                original(copy, os.fspath(export_dir), options=options)
-            except Exception as e:  # every rank raises it
-                outcome = f"{type(e).__name__}: {e}"
-        outcome = world.bcast_obj(outcome, root=0)
-        if outcome is not None:
-            raise CheckpointError(
-                f"The SavedModel could not be written. Received: {outcome}. Fix: check that "
-                f"the model can be rebuilt from its config (custom layers registered).")
-    finally:
-        if tmpdir:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+    save = original
+    _with_copy_on_rank_0(dm, lambda copy: save(copy, os.fspath(export_dir), options=options),
+                         "The SavedModel could not be written")
 
 
 @collective_label("DistributedModel.export")
@@ -867,6 +848,18 @@ def export_model(dm: Any, filepath: str, format: str = "tf_saved_model",
     ``export`` on it with these arguments, so without ``input_signature`` the signature is
     Keras's (the model's own input dtypes). With ``fed_signature`` (SMP's `save_model`) and no
     ``input_signature``, it takes inputs of the dtype the model was fed instead."""
+    def export(copy: keras.Model) -> None:
+        signature = input_signature or (_serving_signature(dm, copy) if fed_signature else None)
+        copy.export(filepath, format=format, verbose=verbose, input_signature=signature,
+                    **kwargs)
+
+    _with_copy_on_rank_0(dm, export, "The exported model could not be written")
+
+
+def _with_copy_on_rank_0(dm: Any, work: Callable[[keras.Model], None], failed: str) -> None:
+    """Every rank calls: world rank 0 runs ``work`` on a single-process copy of the whole
+    model (`_standalone_copy`, with [Note: an exact copy]'s weights), and every rank returns
+    once it has, raising its error (``failed``: what did not happen) if it failed."""
     world = dm.runtime_state().comm.world
     tmpdir = tempfile.mkdtemp(prefix=".tfsmp-export-") if world.rank == 0 else ""
     weights_file = os.path.join(tmpdir, "model.weights.h5")
@@ -878,17 +871,14 @@ def export_model(dm: Any, filepath: str, format: str = "tf_saved_model",
             try:
                 copy = _standalone_copy(dm, weights_file)
                 _assign_exact(copy, exact)
-                signature = input_signature or (_serving_signature(dm, copy) if fed_signature
-                                                 else None)
-                copy.export(filepath, format=format, verbose=verbose,
-                            input_signature=signature, **kwargs)
+                work(copy)
             except Exception as e:  # every rank raises it
                 outcome = f"{type(e).__name__}: {e}"
         outcome = world.bcast_obj(outcome, root=0)
         if outcome is not None:
             raise CheckpointError(
-                f"The exported model could not be written. Received: {outcome}. Fix: check "
-                f"that the model can be rebuilt from its config (custom layers registered).")
+                f"{failed}. Received: {outcome}. Fix: check that the model can be rebuilt "
+                f"from its config (custom layers registered).")
     finally:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
