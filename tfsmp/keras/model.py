@@ -657,14 +657,9 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         """All weights of the whole model, in the wrapped model's order, on every rank."""
         if self._engine is None:
             return list(self.source_model().get_weights())
-        variables = self._all_variables()
-        owned = self._owned()
-        local = {i: variables[i].numpy() for i in owned}
-        merged: dict[int, np.ndarray] = {}
-        for part in self._view().groups.pipeline.allgather_obj(local):
-            merged.update(part)
-        out: list[np.ndarray] = [merged[i] for i in range(len(variables))]
-        return out
+        count = len(self._all_variables())
+        merged = self.weights_at(set(range(count)))
+        return [merged[i] for i in range(count)]
 
     def weights_at(self, indices: set[int]) -> dict[int, np.ndarray]:
         """The weights at these indices of `model_weights`, gathered on every rank of this
