@@ -13,6 +13,7 @@ import keras
 import models  # tests/tf/models.py (pytest puts this directory on sys.path)
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tfsmp.errors import StepError
 from tfsmp.graph.deferred import deferred_scope, is_deferred, materialize, release
@@ -155,3 +156,44 @@ def test_materialize_inside_the_scope_is_refused() -> None:
             materialize(layer.weights)
     materialize(layer.weights)
     assert not is_deferred(layer.kernel)
+
+
+def test_a_released_variable_with_a_source_reads_the_holders_value_eagerly_only() -> None:
+    """[Note: remote reads]: an eager read of a released variable returns what its source
+    gives (the holder's current value), every read afresh; inside a compiled function it is
+    refused; without a source it raises as before."""
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    kernel, bias = layer.kernel, layer.bias
+    holder = {"value": np.full((3, 2), 1.5, "float32")}
+    calls = []
+
+    def source() -> np.ndarray:
+        calls.append(1)
+        return holder["value"]
+
+    assert release([kernel, bias], {id(kernel): source}) == [kernel, bias]
+    np.testing.assert_array_equal(np.asarray(kernel), holder["value"])
+    holder["value"] = holder["value"] * 2
+    np.testing.assert_array_equal(kernel.numpy(), np.full((3, 2), 3.0))
+    assert len(calls) == 2 and is_deferred(kernel)  # no copy kept: a read asks again
+    with pytest.raises(Exception, match="compiled function cannot read another stage's"):
+        tf.function(lambda: tf.reduce_sum(kernel.value))()
+    with pytest.raises(StepError, match=r"released on this rank .* variable '.*bias'"):
+        np.asarray(bias)
+
+
+def test_a_deferred_variable_of_another_stage_reads_its_holder_not_its_initial_value() -> None:
+    """A variable created deferred and never materialized here would read its initializer's
+    values (stale after training); with a source it reads the holder's, and `materialize`
+    still gives the initial values back."""
+    with deferred_scope():
+        model = models.build_mlp(seed=4)
+    kernel = model.weights[0]
+    assert is_deferred(kernel)
+    initial = np.asarray(kernel)
+    trained = initial + 1.0
+    assert release([kernel], {id(kernel): lambda: trained}) == [kernel]
+    np.testing.assert_array_equal(np.asarray(kernel), trained)
+    materialize([kernel])
+    np.testing.assert_array_equal(np.asarray(kernel), initial)

@@ -226,6 +226,9 @@ def create_mpi_comm(topology: Topology) -> Comm:
             f"mpi_size={world.Get_size()}, world_size={topology.world_size}. Fix: launch with "
             f"`tfsmp run -np {topology.world_size}` or pass the config the launch was made for.")
     stage, data_rank = topology.pipeline_rank_of(rank), topology.data_rank_of(rank)
+    from tfsmp.comm import remote_reads
+
+    remote_reads.for_world()  # once per process: [Note: remote reads]
     runtime_world = world.Dup()
     pipeline = runtime_world.Split(color=data_rank, key=stage)
     data = runtime_world.Split(color=stage, key=data_rank)

@@ -92,7 +92,7 @@ from tfsmp.errors import ConfigError, StepError
 from tfsmp.failure import DIR_ENV, default_directory
 from tfsmp.tempdirs import private_dir
 
-__all__ = ["DIR_ENV", "Status", "Watchdog", "collective_label", "default_directory",
+__all__ = ["DIR_ENV", "Status", "Watchdog", "collective_label", "current", "default_directory",
            "for_process", "watched"]
 
 _MAGIC = b"TFWD"
@@ -641,6 +641,11 @@ def for_process() -> Watchdog | None:
     dog = Watchdog(st.rank, size, pipeline_ranks, limit=limit, data_ranks=data_ranks)
     _PROCESS = (st, limit, dog)
     return dog
+
+
+def current() -> Watchdog | None:
+    """The watchdog `for_process` last made, if any (never makes one: for exit hooks)."""
+    return _PROCESS[2] if _PROCESS is not None else None
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ found it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -156,33 +156,50 @@ def materialize(variables: Iterable[keras.Variable]) -> list[keras.Variable]:
     return done
 
 
-def release(variables: Iterable[keras.Variable]) -> list[keras.Variable]:
+def release(variables: Iterable[keras.Variable],
+            sources: Mapping[int, Callable[[], Any]] | None = None) -> list[keras.Variable]:
     """Drops the storage of these variables; shape, dtype and path stay.
 
     A released variable is deferred again: `materialize` re-creates it with its initial values
     (if it was created deferred). Until then an eager read raises `tfsmp.StepError`, while
-    symbolic shape inference keeps working.
+    symbolic shape inference keeps working. ``sources`` maps a variable's ``id`` to a function
+    returning its current value from the rank that holds it: an eager read of that variable
+    returns it instead ([Note: remote reads] in tfsmp/comm/remote_reads.py). A variable still
+    deferred (never materialized here) gets the same treatment when it has a source, so that
+    a read gives the holder's value, not its initial one.
 
     Returns:
-        The variables this call released.
+        The variables this call released (or gave a source).
     """
     done: list[keras.Variable] = []
     for v in _distinct(variables):
+        source = sources.get(id(v)) if sources else None
         if is_deferred(v):
+            if source is None:
+                continue
+            init = v._initializer
+            if isinstance(init, _Released):
+                init.source = source
+            else:
+                v._initializer = _Released(v.path, init, source)
+            done.append(v)
             continue
-        v._initializer = _Released(v.path, getattr(v, _SAVED, None))
+        v._initializer = _Released(v.path, getattr(v, _SAVED, None), source)
         v._value = None  # noqa: SLF001 (a Keras Variable's value slot)
         done.append(v)
     return done
 
 
 class _Released:
-    """Initializer of a released variable: the original one for shape inference, an error for
-    eager reads (a rank reading a variable another stage owns is a bug, not a recomputation)."""
+    """Initializer of a released variable: the original one for shape inference, the holder's
+    value for an eager read where a source is known ([Note: remote reads]), else an error
+    (a rank reading a variable another stage owns without one is a bug, not a recomputation)."""
 
-    def __init__(self, path: str, initializer: Any) -> None:
+    def __init__(self, path: str, initializer: Any, source: Callable[[], Any] | None = None
+                 ) -> None:
         self.path = path
         self.initializer = initializer
+        self.source = source
 
     def __call__(self, shape: Any, dtype: Any = None) -> Any:
         if _STAND_IN["depth"]:
@@ -191,6 +208,16 @@ class _Released:
             if self.initializer is not None:
                 return self.initializer(shape, dtype=dtype)
             return keras.ops.zeros(shape, dtype=dtype)
+        if self.source is not None:
+            import tensorflow as tf
+
+            if tf.executing_eagerly():
+                return keras.ops.convert_to_tensor(self.source(), dtype=dtype)
+            raise StepError(
+                f"A compiled function cannot read another stage's variable: its value would be "
+                f"fixed in the graph. Received: a read of variable '{self.path}' (held by "
+                f"another rank) inside a tf.function. Read it eagerly (outside the function), "
+                f"or run the function on the rank that holds it.")
         raise StepError(
             f"This variable's storage was released on this rank (another stage owns it). "
             f"Received: a read of variable '{self.path}'. Run only the layers of this rank's "

@@ -154,15 +154,35 @@ def make_schedule(plan: StagePlan, config: Config, placement: Placement, data_pa
     return run.lowered(plan, data_parallel)
 
 
-def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int]) -> None:
+def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int], placement: Any = None,
+                    comm: Any = None) -> None:
+    """Materializes this rank's stages' variables and releases the others'; with ``comm`` (an
+    MPI job) a read of another stage's variable asks the rank of this pipeline group that
+    holds it ([Note: remote reads] in tfsmp/comm/remote_reads.py)."""
+    from tfsmp.comm import remote_reads
     from tfsmp.graph.deferred import is_deferred, materialize, release
 
     mine = {n for s in stages for n in plan.layers(s)}
     own = traced.variables_of(mine)
     own_ids = {id(v) for v in own}
-    others = [v for v in traced.variables_of(set(plan.stage_of)) if id(v) not in own_ids]
+    every = traced.variables_of(set(plan.stage_of))
+    others = [v for v in every if id(v) not in own_ids]
     materialize([v for v in own if is_deferred(v)])
-    release([v for v in others if not is_deferred(v)])
+    service = remote_reads.service() if comm is not None and placement is not None else None
+    if service is None:
+        release([v for v in others if not is_deferred(v)])
+        return
+    end = len(traced.variable_order)  # the same order on every rank, paths breaking ties
+    keyed = sorted(every, key=lambda v: (traced.variable_order.get(id(v), end), v.path))
+    index = {id(v): i for i, v in enumerate(keyed)}
+    build = service.offer({index[id(v)]: v for v in own})
+    holder: dict[int, int] = {}  # variable id -> the world rank of its first stage
+    for s in range(plan.num_stages):
+        for v in traced.variables_of(set(plan.layers(s))):
+            holder.setdefault(id(v), comm.pipeline.ranks[placement.rank(s)])
+    sources = {id(v): service.source(holder[id(v)], (build, index[id(v)]), v.path)
+               for v in others if id(v) in holder}
+    release(others, sources)
 
 
 def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, optimizer: Any,
@@ -203,7 +223,7 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
     # the one placement of the job: stage -> pipeline rank (tfsmp/schedule/placement.py)
     placement = RunPlan.for_config(config).placement
     stages = placement.stages(state.comm.pipeline.rank)
-    _take_own_stage(traced, plan, stages)
+    _take_own_stage(traced, plan, stages, placement, state.comm)
     data_parallel = state.comm.data.size > 1
 
     def schedules(m: int) -> Lowered:

@@ -1,0 +1,64 @@
+"""Reads of another stage's variables return the holder's value ([Note: remote reads]).
+
+One launch of 2 ranks (p = 2) runs `scripts/remote_read_cases.py`. Before remote reads, every
+read here of a variable held by the other rank raised ``StepError: This variable's storage was
+released on this rank``, so every test failed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.mpihelp import CASES_RUNNER, SCRIPTS, run_mpi
+
+pytestmark = pytest.mark.mpi
+CASES = ["case_every_rank_reads_every_variable",
+         "case_one_rank_reads_while_the_other_waits_in_a_collective",
+         "case_reads_in_a_callback_see_each_steps_values",
+         "case_a_compiled_read_is_refused"]
+
+
+@pytest.fixture(scope="module")
+def job() -> dict:
+    res = run_mpi(2, [CASES_RUNNER, SCRIPTS / "remote_read_cases.py", *CASES], timeout=600)
+    assert res.returncode == 0, res.output[-4000:]
+    records: dict = {"late": []}
+    for rank in range(2):
+        for rec in res.json_lines(rank):
+            if "case" in rec:
+                assert rec["ok"], rec["error"]
+                records.setdefault(rec["case"], {})[rank] = rec["result"]
+            elif "late_read" in rec:
+                records["late"].append(rec)
+    return records
+
+
+def test_every_rank_reads_the_values_the_holders_have(job: dict) -> None:
+    for rank, r in job["case_every_rank_reads_every_variable"].items():
+        assert r["released"], f"rank {rank} holds every variable: nothing was read remotely"
+        assert r["max_diff"] == 0.0 and r["moving_mean_diff"] == 0.0, r
+        assert r["still_released"], r  # a read does not keep a copy (memory stays per stage)
+    held = [set(r["released"]) for r in job["case_every_rank_reads_every_variable"].values()]
+    assert not held[0] & held[1]  # each variable is held by one of the two ranks
+
+
+def test_a_read_on_one_rank_is_answered_while_the_holder_waits_in_a_collective(job: dict) -> None:
+    r = job["case_one_rank_reads_while_the_other_waits_in_a_collective"]
+    assert r[0]["diff"] == 0.0 and r[1]["diff"] is None
+    assert r[0]["loss"] == r[1]["loss"]
+
+
+def test_reads_in_a_callback_see_the_values_after_each_batch_as_in_keras(job: dict) -> None:
+    r = job["case_reads_in_a_callback_see_each_steps_values"][0]
+    assert r["reads"] == r["expected"] == 8
+    assert r["max_diff"] <= 1e-5, r
+
+
+def test_a_read_inside_a_compiled_function_is_refused(job: dict) -> None:
+    for r in job["case_a_compiled_read_is_refused"].values():
+        assert r["error"] and "compiled function cannot read another stage's variable" in r["error"]
+        assert "inside a tf.function" in r["error"]
+
+
+def test_a_rank_whose_script_ended_still_answers(job: dict) -> None:
+    assert len(job["late"]) == 1 and job["late"][0]["late_read"] == 0.0, job["late"]
