@@ -181,6 +181,10 @@ def test_a_released_variable_with_a_source_reads_the_holders_value_eagerly_only(
         tf.function(lambda: tf.reduce_sum(kernel.value))()
     with pytest.raises(StepError, match=r"released on this rank .* variable '.*bias'"):
         np.asarray(bias)
+    for assign in (kernel.assign, kernel.assign_add, kernel.assign_sub):
+        with pytest.raises(StepError, match=r"assigned only on the rank that holds it.*"
+                                            r"an assign to variable '.*kernel'"):
+            assign(np.ones((3, 2), "float32"))
 
 
 def test_a_deferred_variable_of_another_stage_reads_its_holder_not_its_initial_value() -> None:
@@ -197,3 +201,5 @@ def test_a_deferred_variable_of_another_stage_reads_its_holder_not_its_initial_v
     np.testing.assert_array_equal(np.asarray(kernel), trained)
     materialize([kernel])
     np.testing.assert_array_equal(np.asarray(kernel), initial)
+    kernel.assign(trained)  # held again: assignable
+    np.testing.assert_array_equal(np.asarray(kernel), trained)

@@ -145,6 +145,7 @@ def materialize(variables: Iterable[keras.Variable]) -> list[keras.Variable]:
                     f"it on the rank that owns it, or assign() it from a checkpoint.")
             v._initializer = init.initializer
         keep = v._initializer
+        v.__dict__.pop("_direct_assign", None)  # `release`'s refusal
         v._deferred_initialize()
         setattr(v, _SAVED, keep)
         done.append(v)
@@ -186,8 +187,23 @@ def release(variables: Iterable[keras.Variable],
             continue
         v._initializer = _Released(v.path, getattr(v, _SAVED, None), source)
         v._value = None  # noqa: SLF001 (a Keras Variable's value slot)
+        v._direct_assign = _refused_assign(v.path)  # noqa: SLF001 (until materialized again)
         done.append(v)
     return done
+
+
+def _refused_assign(path: str) -> Callable[[Any], None]:
+    """What an ``assign`` of a released variable does (Keras's ``_direct_assign`` would write
+    to storage that is gone: ``'NoneType' object has no attribute 'assign'``)."""
+
+    def refuse(value: Any) -> None:
+        raise StepError(
+            f"A variable can be assigned only on the rank that holds it. Received: an assign "
+            f"to variable '{path}', whose storage was released on this rank (another stage "
+            f"owns it). Assign it on that rank (every rank runs your script: guard the assign "
+            f"with the rank that holds it), or load weights with model.load_weights().")
+
+    return refuse
 
 
 class _Released:
