@@ -15,7 +15,9 @@ pytestmark = pytest.mark.mpi
 CASES = ["case_every_rank_reads_every_variable",
          "case_one_rank_reads_while_the_other_waits_in_a_collective",
          "case_reads_in_a_callback_see_each_steps_values",
-         "case_a_compiled_read_is_refused"]
+         "case_a_compiled_read_is_refused",
+         "case_a_holder_that_does_not_answer_times_out_and_its_late_answer_is_dropped",
+         "case_a_read_of_a_variable_the_holder_lacks_is_refused"]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,19 @@ def test_a_read_inside_a_compiled_function_is_refused(job: dict) -> None:
     for r in job["case_a_compiled_read_is_refused"].values():
         assert r["error"] and "compiled function cannot read another stage's variable" in r["error"]
         assert "inside a tf.function" in r["error"]
+
+
+def test_a_holder_that_does_not_answer_ends_the_read_with_a_clear_error(job: dict) -> None:
+    r = job["case_a_holder_that_does_not_answer_times_out_and_its_late_answer_is_dropped"][0]
+    assert r["error"] and "no answer from world rank 1 for variable 'out/kernel' in 1s" in r["error"]
+    assert "TFSMP_REMOTE_READ_TIMEOUT" in r["error"]
+    assert r["diff"] == 0.0  # the next read's answer, not the late one
+
+
+def test_a_read_the_holder_cannot_match_is_refused(job: dict) -> None:
+    error = job["case_a_read_of_a_variable_the_holder_lacks_is_refused"][0]["error"]
+    assert error and "world rank 1 holds no variable 'nowhere/kernel'" in error
+    assert "same models in the same order" in error
 
 
 def test_a_rank_whose_script_ended_still_answers(job: dict) -> None:

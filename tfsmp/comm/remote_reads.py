@@ -43,7 +43,10 @@ watchdog's records first ([Note: watched collectives] in tfsmp/comm/watchdog.py)
 stuck in a collective is still recognized as a certain deadlock. A reader whose owner does not
 answer within ``TFSMP_REMOTE_READ_TIMEOUT`` seconds (600 by default; the owner is inside code
 that never returns to Python, or a blocking call outside tfsmp that waits for the reader)
-gets a `StepError` naming the variable and the rank.
+gets a `StepError` naming the variable and the rank. Each read carries a number the answer
+repeats, so the late answer to a read that timed out is dropped, never taken for the next
+read's. A holder asked for a variable it does not hold (ranks that partitioned different
+models, or in another order) answers with a refusal that the reader raises.
 """
 
 from __future__ import annotations
@@ -51,8 +54,10 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -76,6 +81,7 @@ class ReadService:
         self.rank = int(comm.Get_rank())
         self.offered: dict[tuple[int, int], tuple[str, Any]] = {}
         self.builds = itertools.count()
+        self.tokens = itertools.count()  # numbers this rank's reads: a late answer is dropped
         self.lock = threading.Lock()  # `offered` is read by the thread, written by the main one
         self.serving = threading.Lock()  # one answerer at a time (the thread or a reader)
         self.replies: list[Any] = []  # replies sent, not yet known to be received
@@ -104,12 +110,20 @@ class ReadService:
             self.thread.start()
 
     def _run(self) -> None:
+        from mpi4py import MPI
+
         pause = _FAST
         while not self.stopped.is_set():
             try:
                 pause = _FAST if self.serve() else min(2 * pause, _IDLE)
-            except Exception:  # MPI finalized under a daemon thread at exit: nothing to serve
-                return
+            except Exception:
+                if MPI.Is_finalized():  # under a daemon thread at exit: nothing to serve
+                    return
+                # a request that could not be answered (its reader times out naming this
+                # rank); the thread goes on answering the others
+                sys.stderr.write(f"tfsmp: world rank {self.rank}: a remote read failed:\n"
+                                 f"{traceback.format_exc()}")
+                pause = _IDLE
             self.stopped.wait(pause)
 
     def serve(self, wait: bool = True) -> bool:
@@ -128,8 +142,8 @@ class ReadService:
                 message = self.comm.improbe(source=MPI.ANY_SOURCE, tag=_REQUEST, status=status)
                 if message is None:
                     return served
-                key, path = message.recv()
-                self.replies.append(self.comm.isend(self._answer(tuple(key), path),
+                key, path, token = message.recv()
+                self.replies.append(self.comm.isend((token, *self._answer(tuple(key), path)),
                                                     dest=status.Get_source(), tag=_REPLY))
                 self.answered += 1
                 served = True
@@ -163,15 +177,18 @@ class ReadService:
                 f"Variable '{path}' is held by world rank {owner}, and this process's remote "
                 f"reads are closed (its script ended). Received: a read at exit. Read it before "
                 f"the script ends.")
-        request = self.comm.isend((key, path), dest=owner, tag=_REQUEST)
+        token = next(self.tokens)
+        request = self.comm.isend((key, path, token), dest=owner, tag=_REQUEST)
         limit = float(os.environ.get(_TIMEOUT_ENV, "600"))
         start = time.monotonic()
         pause = 0.0
         while True:
             message = self.comm.improbe(source=owner, tag=_REPLY)
             if message is not None:
-                kind, value = message.recv()
-                break
+                answered, kind, value = message.recv()
+                if answered == token:
+                    break
+                continue  # the late answer to a read that timed out: dropped
             self.serve(wait=False)
             if time.monotonic() - start > limit:
                 raise StepError(

@@ -134,6 +134,55 @@ def case_a_compiled_read_is_refused(ctx: Any) -> dict[str, Any]:
     return {"error": error, "eager": float(np.sum(np.asarray(remote)))}
 
 
+def case_a_holder_that_does_not_answer_times_out_and_its_late_answer_is_dropped(
+        ctx: Any) -> dict[str, Any]:
+    """Rank 1 keeps its service from answering for 3 s; rank 0's read, limited to 1 s by
+    ``TFSMP_REMOTE_READ_TIMEOUT``, raises naming rank 1, and its next read gets the current
+    value, not the late answer to the first."""
+    from tfsmp.comm import remote_reads
+
+    model, _ = _trained(ctx)
+    service = remote_reads.service()
+    assert service is not None
+    out: dict[str, Any] = {}
+    ctx.world.Barrier()
+    if ctx.rank == 1:
+        with service.serving:
+            ctx.world.Barrier()
+            time.sleep(3.0)
+        ctx.world.Barrier()
+        return out
+    ctx.world.Barrier()
+    kernel = model.get_layer("out").kernel
+    os.environ["TFSMP_REMOTE_READ_TIMEOUT"] = "1"
+    try:
+        kernel.numpy()
+    except tfsmp.StepError as e:
+        out["error"] = str(e)
+    finally:
+        del os.environ["TFSMP_REMOTE_READ_TIMEOUT"]
+    ctx.world.Barrier()
+    time.sleep(0.5)  # the late answer is in by now
+    out["diff"] = float(np.max(np.abs(kernel.numpy() - ctx.store["gathered"]["out/kernel"])))
+    return out
+
+
+def case_a_read_of_a_variable_the_holder_lacks_is_refused(ctx: Any) -> dict[str, Any]:
+    """A request for a key the holder never offered (ranks that partitioned different models)
+    is answered with a refusal, raised on the reader."""
+    from tfsmp.comm import remote_reads
+
+    service = remote_reads.service()
+    assert service is not None
+    if ctx.rank != 0:
+        return {}
+    try:
+        service.read(1, (10_000, 0), "nowhere/kernel")
+    except tfsmp.StepError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
 def teardown(ctx: Any) -> None:
     """Rank 0 reads a variable of rank 1's stage after rank 1's script has ended."""
     import json
