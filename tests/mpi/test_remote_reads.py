@@ -17,7 +17,8 @@ CASES = ["case_every_rank_reads_every_variable",
          "case_reads_in_a_callback_see_each_steps_values",
          "case_a_compiled_read_is_refused",
          "case_a_holder_that_does_not_answer_times_out_and_its_late_answer_is_dropped",
-         "case_a_read_of_a_variable_the_holder_lacks_is_refused"]
+         "case_a_read_of_a_variable_the_holder_lacks_is_refused",
+         "case_the_service_does_not_keep_a_dropped_model_alive"]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,11 @@ def test_a_read_the_holder_cannot_match_is_refused(job: dict) -> None:
     error = job["case_a_read_of_a_variable_the_holder_lacks_is_refused"][0]["error"]
     assert error and "world rank 1 holds no variable 'nowhere/kernel'" in error
     assert "same models in the same order" in error
+
+
+def test_a_dropped_model_is_freed_on_the_ranks_that_held_it(job: dict) -> None:
+    for r in job["case_the_service_does_not_keep_a_dropped_model_alive"].values():
+        assert r["held"] > 0 and r["alive"] == 0, r
 
 
 def test_a_rank_whose_script_ended_still_answers(job: dict) -> None:

@@ -58,6 +58,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -79,6 +80,7 @@ class ReadService:
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.rank = int(comm.Get_rank())
+        # (build, index) -> (path, weak reference): a model a script dropped is not kept alive
         self.offered: dict[tuple[int, int], tuple[str, Any]] = {}
         self.builds = itertools.count()
         self.tokens = itertools.count()  # numbers this rank's reads: a late answer is dropped
@@ -98,8 +100,9 @@ class ReadService:
         Every rank calls it at every partitioning, so build numbers agree."""
         build = next(self.builds)
         with self.lock:
+            self.offered = {k: e for k, e in self.offered.items() if e[1]() is not None}
             for index, v in variables.items():
-                self.offered[(build, index)] = (v.path, v)
+                self.offered[(build, index)] = (v.path, weakref.ref(v))
         self._start()
         return build
 
@@ -153,12 +156,13 @@ class ReadService:
     def _answer(self, key: tuple[int, int], path: str) -> tuple[str, Any]:
         with self.lock:
             entry = self.offered.get(key)
-        if entry is None or entry[0] != path:
+        variable = entry[1]() if entry is not None else None
+        if entry is None or variable is None or entry[0] != path:
             return ("missing", f"world rank {self.rank} holds no variable '{path}' of "
                                f"partitioning #{key[0]} (its ranks partitioned different models "
                                f"or in a different order)")
         try:
-            return ("ok", np.array(entry[1].numpy()))
+            return ("ok", np.array(variable.numpy()))
         except Exception as e:  # released here too (a later partitioning), a device error
             return ("error", f"world rank {self.rank} could not read '{path}': "
                              f"{type(e).__name__}: {e}")

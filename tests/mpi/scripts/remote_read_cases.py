@@ -183,6 +183,23 @@ def case_a_read_of_a_variable_the_holder_lacks_is_refused(ctx: Any) -> dict[str,
     return {"error": None}
 
 
+def case_the_service_does_not_keep_a_dropped_model_alive(ctx: Any) -> dict[str, Any]:
+    """A model partitioned, trained and dropped is freed: the holder's offer of its variables
+    is weak."""
+    import gc
+    import weakref
+
+    model = _model(seed=21)
+    dm = tfsmp.DistributedModel(model)
+    dm.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x, y = _data()
+    dm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    held = [weakref.ref(v) for v in model.weights if not is_deferred(v)]
+    del dm, model
+    gc.collect()
+    return {"held": len(held), "alive": sum(r() is not None for r in held)}
+
+
 def teardown(ctx: Any) -> None:
     """Rank 0 reads a variable of rank 1's stage after rank 1's script has ended."""
     import json
