@@ -54,6 +54,7 @@ def _bytes(variables: Any) -> int:
 
 def worker(args: dict[str, Any]) -> dict[str, Any]:
     from benchmarks import tfhelp
+    from tfsmp.keras.porting import rank_variables  # what this rank holds
 
     tfhelp.setup_threads()
     smp = tfhelp.reinit({"partitions": args["p"], "microbatches": args["microbatches"]})
@@ -65,7 +66,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     mine = {
         "variables": int(model.held_variable_bytes()),
-        "optimizer": _bytes(model.optimizer.variables),
+        "optimizer": _bytes(rank_variables(model.optimizer)),
         # every stage's gradient accumulators (placeholders of late weights are empty)
         "accumulators": _bytes([a for prog in model._engine.programs.values()
                                 for a in prog.grads.accumulators]),

@@ -48,6 +48,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     import tensorflow as tf
 
     tf.config.threading.set_inter_op_parallelism_threads(2)
+    from tfsmp.keras.porting import rank_variables  # what this rank holds
     from tfsmp.launch.memcap import peak_bytes
     from tfsmp.partitioning.memory import predict_memory, settings_of
 
@@ -64,7 +65,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     settings = settings_of(engine.config, "adam", args["batch"] // dp, dp)
     predicted = predict_memory(engine.plan, engine.traced.graph, settings)
     mine = predicted[smp.mp_rank()]
-    slots = sum(int(v.numpy().nbytes) for v in model.optimizer.variables if len(v.shape))
+    slots = sum(int(v.numpy().nbytes) for v in rank_variables(model.optimizer) if len(v.shape))
     row = {"peak": peak_bytes() or 0, "predicted": mine.total,
            "predicted_optimizer": mine.optimizer, "slot_bytes": slots,
            "pipeline_rank": smp.mp_rank(), "data_rank": smp.dp_rank()}

@@ -18,7 +18,9 @@ CASES = ["case_every_rank_reads_every_variable",
          "case_a_compiled_read_is_refused",
          "case_a_holder_that_does_not_answer_times_out_and_its_late_answer_is_dropped",
          "case_a_read_of_a_variable_the_holder_lacks_is_refused",
-         "case_the_service_does_not_keep_a_dropped_model_alive"]
+         "case_the_service_does_not_keep_a_dropped_model_alive",
+         "case_the_optimizer_lists_its_variables_as_keras_does",
+         "case_sharded_optimizer_state_lists_every_slot"]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,25 @@ def test_a_read_the_holder_cannot_match_is_refused(job: dict) -> None:
 def test_a_dropped_model_is_freed_on_the_ranks_that_held_it(job: dict) -> None:
     for r in job["case_the_service_does_not_keep_a_dropped_model_alive"].values():
         assert r["held"] > 0 and r["alive"] == 0, r
+
+
+@pytest.mark.parametrize("case", ["case_the_optimizer_lists_its_variables_as_keras_does",
+                                  "case_sharded_optimizer_state_lists_every_slot"])
+def test_the_optimizer_lists_keras_variables_with_values_equal_to_plain_keras(
+        job: dict, case: str) -> None:
+    """[Note: the optimizer as Keras lists it]: the same names in the same order as plain
+    Keras's on every rank, values within float32 rounding of plain Keras's, each rank holding a
+    share (together every slot once), an assign to another rank's slot refused."""
+    reports = job[case]
+    held = [set(r["held"]) for r in reports.values()]
+    for r in reports.values():
+        assert r["names"] == r["ref_names"] and len(r["names"]) == 2 + 2 * 8, r["names"]
+        assert r["max_diff"] <= 1e-5, r
+        assert r["callable"]
+        assert len(r["held"]) < len(r["names"])
+        assert r["assign"] and "assigned only on the rank that holds it" in r["assign"]
+    slots = {n for n in reports[0]["names"] if n not in ("iteration", "learning_rate")}
+    assert (held[0] | held[1]) >= slots and not (held[0] & held[1]) & slots
 
 
 def test_a_rank_whose_script_ended_still_answers(job: dict) -> None:

@@ -18,6 +18,18 @@ way ([Note: slot keys] in tfsmp/checkpoint/layout.py): (model key, slot) or a gl
 i is then written by the rank that writes the model variable (globals: the rank whose
 optimizer stepped most), and read by every rank that holds it. So a weights file of a
 `DistributedModel` loads into a plain-Keras model with its optimizer state, and the reverse.
+
+[Note: the optimizer as Keras lists it] A script reads ``model.optimizer.variables`` as Keras
+lists them (Keras's own tests zip them with a loaded model's, pair by pair). On a rank that
+holds only some slots (``partitions > 1``, or sharded optimizer state) the property returns
+the shadow's order with this rank's own variables where it holds them and, for the others,
+storage-less stand-ins (same name, path, shape and dtype) whose eager reads ask the rank that
+holds the slot (`RankView.slot_writer`) for its current value ([Note: remote reads] in
+tfsmp/comm/remote_reads.py); an assign to a stand-in is refused. The holder answers such a
+read by its (model key, slot) or global name (`attach_view` registers the lookup). What a rank
+holds is `tfsmp.keras.porting.rank_variables(optimizer)` (tfsmp's own checkpoint and memory
+code use it), and the property falls back to that list where a slot cannot be named. Horovod's
+``broadcast_variables`` skips what a rank does not hold (`tfsmp.comm.horovod`).
 """
 
 from __future__ import annotations
@@ -33,13 +45,16 @@ from tfsmp.checkpoint.layout import classify, layout_of, optimizer_state
 if TYPE_CHECKING:
     from tfsmp.runtime.view import RankView
 
-__all__ = ["GROUP", "keras_order", "local_state"]
+__all__ = ["GROUP", "attach_view", "keras_order", "local_state"]
 
 GROUP = "optimizer/vars"
 
 Kind = tuple[str, Any]  # ("slot", (model key, slot name)) | ("global", name)
 _CACHE: weakref.WeakKeyDictionary[Any, tuple[int, str, list[Kind]]] = (
     weakref.WeakKeyDictionary())
+_SPECS: weakref.WeakKeyDictionary[Any, tuple[int, str, list[tuple[str, tuple[int, ...], str]]]] = (
+    weakref.WeakKeyDictionary())
+_STAND_INS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -99,7 +114,95 @@ def keras_order(dm: Any) -> list[Kind]:
     kinds = _kinds(shadow, variables, layout)
     order = [kinds[id(v)] for v in shadow.variables]
     _CACHE[dm] = (id(optimizer), signature, order)
+    _SPECS[dm] = (id(optimizer), signature,
+                  [(str(v.name), tuple(v.shape), str(v.dtype)) for v in shadow.variables])
     return order
+
+
+def _specs(dm: Any) -> list[tuple[str, tuple[int, ...], str]]:
+    """Name, shape and dtype of each entry of `keras_order`, in that order."""
+    keras_order(dm)
+    return _SPECS[dm][2]
+
+
+def attach_view(dm: Any) -> None:
+    """Makes ``dm``'s optimizer list its variables as Keras's would (every rank), and this
+    rank answer reads of the slots it holds ([Note: the optimizer as Keras lists it])."""
+    from tfsmp.comm import remote_reads
+    from tfsmp.keras.porting import KERAS_VIEW
+
+    service = remote_reads.service()
+    optimizer = getattr(dm, "optimizer", None)
+    view = dm.rank_view
+    if (service is None or optimizer is None or view is None
+            or (view.pipeline_size < 2 and view.owned is None)):  # every slot is here
+        return
+    build = service.build_of(view.traced)
+    if build is None:
+        return
+    model = weakref.ref(dm)
+    service.resolve(build, lambda key: _held_slot(model(), key))
+    setattr(optimizer, KERAS_VIEW, lambda: _keras_variables(model(), optimizer, build))
+
+
+def _held_slot(dm: Any, key: Any) -> Any:
+    """The optimizer variable of kind ``key`` this rank holds, if any (answers a remote read)."""
+    if dm is None or not getattr(dm.optimizer, "built", False):
+        return None
+    slots, globals_ = optimizer_state(dm.optimizer, layout_of(dm))
+    kind, name = key
+    return slots.get(tuple(name)) if kind == "slot" else globals_.get(name)
+
+
+def _keras_variables(dm: Any, optimizer: Any, build: int) -> list[Any] | None:
+    """``optimizer.variables`` as a plain-Keras optimizer built on the whole model lists them:
+    this rank's own, and stand-ins of the others' that read the holder's value; None (the
+    rank's own list) where that list cannot be made."""
+    if dm is None or dm.optimizer is not optimizer or not optimizer.built:
+        return None
+    try:
+        order = keras_order(dm)
+        specs = _specs(dm)
+        slots, globals_ = optimizer_state(optimizer, layout_of(dm))
+    except Exception:  # a model tfsmp cannot name the slots of: its own list, as before
+        return None
+    view = layout_of(dm)
+    stand_ins = _STAND_INS.setdefault(dm, {})
+    listed: list[Any] = []
+    for (kind, key), spec in zip(order, specs):
+        held = globals_.get(key) if kind == "global" else slots.get(key)
+        if held is None and kind == "global":
+            return None
+        if held is None:
+            holder = view.slot_writer.get(key[0])
+            if holder is None:
+                return None
+            cached = stand_ins.get((id(optimizer), kind, key))
+            if cached is None:
+                cached = stand_ins[(id(optimizer), kind, key)] = _stand_in(
+                    optimizer, spec, holder, (build, (kind, tuple(key))))
+            held = cached
+        listed.append(held)
+    return listed
+
+
+def _stand_in(optimizer: Any, spec: tuple[str, tuple[int, ...], str], holder: int,
+              key: tuple[int, Any]) -> Any:
+    """A storage-less variable named and shaped as the optimizer's slot ``spec`` whose eager
+    reads ask world rank ``holder`` for its value ([Note: remote reads])."""
+    from keras.src.backend import name_scope
+
+    from tfsmp.comm import remote_reads
+    from tfsmp.graph.deferred import deferred_scope, release
+
+    name, shape, dtype = spec
+    with deferred_scope(), name_scope(optimizer.name, caller=optimizer):
+        v = keras.Variable(initializer="zeros", shape=shape, dtype=dtype, trainable=False,
+                           name=name)
+    service = remote_reads.service()
+    assert service is not None
+    release([v], {id(v): service.source(holder, key, str(v.path))})
+    return v
 
 
 def local_state(dm: Any) -> tuple[dict[tuple[str, str], Any], dict[str, Any]]:

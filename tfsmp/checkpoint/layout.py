@@ -90,8 +90,10 @@ def classify(optimizer: Any, references: Iterable[Any], keys: Mapping[int, str]
     """
     prefixes = sorted(((str(v.path).replace("/", "_") + "_", v) for v in references
                        if id(v) in keys), key=lambda p: -len(p[0]))
+    from tfsmp.keras.porting import rank_variables
+
     glob = _global_ids(optimizer)
-    for ov in optimizer.variables:
+    for ov in rank_variables(optimizer):  # this rank's, not the whole model's list
         name = str(ov.name)
         ref = None if id(ov) in glob else _slot_reference(name, ov, prefixes)
         if ref is None:

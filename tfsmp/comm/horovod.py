@@ -144,8 +144,11 @@ def _keras3_broadcast_compat(hvd: Any) -> None:
         return
 
     def broadcast_variables(variables: Any, root_rank: int, *args: Any, **kwargs: Any) -> Any:
+        # another stage's variables (and optimizer slots) are not held here: that stage's
+        # replicas broadcast them among themselves ([Note: remote reads] in remote_reads.py)
+        held = [v for v in variables if getattr(v, "_value", True) is not None]
         plain = [getattr(v, "value", v) if not hasattr(v, "assign") or
-                 type(v).__module__.startswith("keras") else v for v in variables]
+                 type(v).__module__.startswith("keras") else v for v in held]
         return original(plain, root_rank, *args, **kwargs)
 
     broadcast_variables._tfsmp_compat = True  # type: ignore[attr-defined]

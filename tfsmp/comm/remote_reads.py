@@ -82,8 +82,12 @@ class ReadService:
         self.rank = int(comm.Get_rank())
         # (build, index) -> (path, weak reference): a model a script dropped is not kept alive
         self.offered: dict[tuple[int, int], tuple[str, Any]] = {}
-        self.builds = itertools.count()
+        self.counter = itertools.count()
         self.tokens = itertools.count()  # numbers this rank's reads: a late answer is dropped
+        # build -> a function finding a variable made after partitioning (an optimizer's slot)
+        # by a key of its own, or None
+        self.resolvers: dict[int, Callable[[Any], Any]] = {}
+        self.builds: dict[int, tuple[Any, int]] = {}  # id(traced model) -> (weak ref, build)
         self.lock = threading.Lock()  # `offered` is read by the thread, written by the main one
         self.serving = threading.Lock()  # one answerer at a time (the thread or a reader)
         self.replies: list[Any] = []  # replies sent, not yet known to be received
@@ -98,13 +102,31 @@ class ReadService:
         """Offers this rank's variables of a new partitioning, by their index in the model's
         variable list (the same on every rank); returns the build number that keys them.
         Every rank calls it at every partitioning, so build numbers agree."""
-        build = next(self.builds)
+        build = next(self.counter)
         with self.lock:
             self.offered = {k: e for k, e in self.offered.items() if e[1]() is not None}
+            self.resolvers = {b: f for b, f in self.resolvers.items()
+                              if any(k[0] == b for k in self.offered)}
             for index, v in variables.items():
                 self.offered[(build, index)] = (v.path, weakref.ref(v))
         self._start()
         return build
+
+    def remember(self, traced: Any, build: int) -> None:
+        """Keeps which partitioning ``traced`` (a model's trace) was offered as."""
+        self.builds = {k: e for k, e in self.builds.items() if e[0]() is not None}
+        self.builds[id(traced)] = (weakref.ref(traced), build)
+
+    def build_of(self, traced: Any) -> int | None:
+        """The build number `remember` kept for ``traced``, if any."""
+        entry = self.builds.get(id(traced))
+        return entry[1] if entry is not None and entry[0]() is traced else None
+
+    def resolve(self, build: int, find: Callable[[Any], Any]) -> None:
+        """Answers requests of partitioning ``build`` whose key is not an offered index with
+        ``find(key)``: a variable made later (an optimizer's slot), or None."""
+        with self.lock:
+            self.resolvers[build] = find
 
     def _start(self) -> None:
         if self.thread is None:
@@ -153,10 +175,18 @@ class ReadService:
         finally:
             self.serving.release()
 
-    def _answer(self, key: tuple[int, int], path: str) -> tuple[str, Any]:
+    def _answer(self, key: tuple[int, Any], path: str) -> tuple[str, Any]:
         with self.lock:
             entry = self.offered.get(key)
+            find = self.resolvers.get(key[0]) if entry is None else None
         variable = entry[1]() if entry is not None else None
+        if find is not None:
+            try:
+                variable = find(key[1])
+            except Exception:  # a model being changed: answered as not held
+                variable = None
+            # its own key names it exactly (an optimizer's name may differ between ranks)
+            entry = (path, None) if variable is not None else None
         if entry is None or variable is None or entry[0] != path:
             return ("missing", f"world rank {self.rank} holds no variable '{path}' of "
                                f"partitioning #{key[0]} (its ranks partitioned different models "
@@ -169,11 +199,11 @@ class ReadService:
 
     # -- the reader's side -----------------------------------------------------------------------
 
-    def source(self, owner: int, key: tuple[int, int], path: str) -> Callable[[], np.ndarray]:
+    def source(self, owner: int, key: tuple[int, Any], path: str) -> Callable[[], np.ndarray]:
         """A function that reads variable ``path`` (``key``) from world rank ``owner``."""
         return lambda: self.read(owner, key, path)
 
-    def read(self, owner: int, key: tuple[int, int], path: str) -> np.ndarray:
+    def read(self, owner: int, key: tuple[int, Any], path: str) -> np.ndarray:
         """The current value of variable ``path`` on world rank ``owner``; answers requests to
         this rank while it waits."""
         if self.closed:

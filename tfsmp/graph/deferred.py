@@ -183,6 +183,7 @@ def release(variables: Iterable[keras.Variable],
                 init.source = source
             else:
                 v._initializer = _Released(v.path, init, source)
+            v._direct_assign = _refused_assign(v.path)  # noqa: SLF001 (until materialized)
             done.append(v)
             continue
         v._initializer = _Released(v.path, getattr(v, _SAVED, None), source)

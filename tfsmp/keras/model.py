@@ -323,7 +323,17 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._engine = rebuild_engine(self._engine, getattr(self, "_compile_loss", None),
                                       getattr(self, "optimizer", None), xla=self._xla())
         self._trained_set = (ids, flags)
+        self._attach_optimizer_view()
         return True
+
+    def _attach_optimizer_view(self) -> None:
+        """[Note: the optimizer as Keras lists it] in tfsmp/checkpoint/keras_optimizer.py."""
+        import importlib.util
+
+        if importlib.util.find_spec("tfsmp.checkpoint.keras_optimizer") is not None:
+            from tfsmp.checkpoint import keras_optimizer
+
+            keras_optimizer.attach_view(self)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -388,6 +398,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
             export.remember_inputs(self, sample_x)  # save_model's signature takes these dtypes
             export.apply_pending(self)  # weights or a checkpoint restored before partitioning
+        self._attach_optimizer_view()
         for hook in list(_POST_PARTITION_HOOKS):
             hook()
         return self._engine

@@ -31,7 +31,7 @@ import keras
 
 from tfsmp.errors import StepError
 
-__all__ = ["CallableList", "install", "outside_step_error"]
+__all__ = ["KERAS_VIEW", "CallableList", "install", "outside_step_error", "rank_variables"]
 
 _installed = False
 
@@ -66,11 +66,32 @@ def _variables_property(cls: type) -> None:
         return
 
     def variables(self: Any) -> CallableList:
+        view = self.__dict__.get(KERAS_VIEW)
+        if view is not None:  # a pipelined model's optimizer: [Note: the optimizer as Keras lists it]
+            listed = view()
+            if listed is not None:
+                return CallableList(listed)
         return CallableList(getter(self))
 
     variables._tfsmp_callable = True  # type: ignore[attr-defined]
+    variables._tfsmp_rank = getter  # type: ignore[attr-defined]  # noqa: SLF001
     variables.__doc__ = getter.__doc__
     owner.variables = property(variables)  # type: ignore[attr-defined]
+
+
+KERAS_VIEW = "_tfsmp_keras_view"  # an optimizer's attribute: its variables as Keras lists them
+
+
+def rank_variables(optimizer: Any) -> list[Any]:
+    """The variables ``optimizer`` holds on this rank (what Keras's ``variables`` property
+    returns), also for an optimizer whose ``variables`` lists the whole model's ([Note: the
+    optimizer as Keras lists it] in tfsmp/checkpoint/keras_optimizer.py)."""
+    for cls in type(optimizer).__mro__:
+        prop = vars(cls).get("variables")
+        if isinstance(prop, property) and prop.fget is not None:
+            getter = getattr(prop.fget, "_tfsmp_rank", prop.fget)
+            return list(getter(optimizer))
+    return list(optimizer.variables)
 
 
 def _schedule_default_name(cls: type) -> None:

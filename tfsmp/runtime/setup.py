@@ -176,6 +176,7 @@ def _take_own_stage(traced: Any, plan: StagePlan, stages: list[int], placement: 
     keyed = sorted(every, key=lambda v: (traced.variable_order.get(id(v), end), v.path))
     index = {id(v): i for i, v in enumerate(keyed)}
     build = service.offer({index[id(v)]: v for v in own})
+    service.remember(traced, build)  # later offers of this partitioning (optimizer slots)
     holder: dict[int, int] = {}  # variable id -> the world rank of its first stage
     for s in range(plan.num_stages):
         for v in traced.variables_of(set(plan.layers(s))):

@@ -200,6 +200,55 @@ def case_the_service_does_not_keep_a_dropped_model_alive(ctx: Any) -> dict[str, 
     return {"held": len(held), "alive": sum(r() is not None for r in held)}
 
 
+def _adam_pair(ctx: Any, config: dict[str, Any]) -> tuple[keras.Model, Any]:
+    """Plain Keras and a DistributedModel under ``config``, both trained one epoch with Adam."""
+    if tfsmp.is_initialized():
+        tfsmp.shutdown()
+    tfsmp.init({"microbatches": 2, **config})
+    x, y = _data()
+    ref = _model(seed=31, batch_norm=False)
+    ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    dm = tfsmp.DistributedModel(_model(seed=31, batch_norm=False))
+    dm.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    dm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return ref, dm
+
+
+def _optimizer_report(ref: keras.Model, dm: Any) -> dict[str, Any]:
+    from tfsmp.keras.porting import rank_variables
+
+    mine, theirs = dm.optimizer.variables, ref.optimizer.variables
+    out: dict[str, Any] = {
+        "names": [str(v.name) for v in mine], "ref_names": [str(v.name) for v in theirs],
+        "max_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                        for a, b in zip(mine, theirs)),
+        "callable": len(dm.optimizer.variables()) == len(mine),
+        "held": [str(v.name) for v in rank_variables(dm.optimizer)],
+    }
+    remote = [v for v in mine if is_deferred(v)]
+    try:
+        remote[0].assign(np.zeros(remote[0].shape, "float32"))
+        out["assign"] = None
+    except tfsmp.StepError as e:
+        out["assign"] = str(e)
+    return out
+
+
+def case_the_optimizer_lists_its_variables_as_keras_does(ctx: Any) -> dict[str, Any]:
+    """p = 2: ``optimizer.variables`` is Keras's list on every rank (the other stage's slots
+    read from their holder), equal to plain Keras's; what the rank holds is its own share."""
+    ref, dm = _adam_pair(ctx, {"partitions": 2})
+    return _optimizer_report(ref, dm)
+
+
+def case_sharded_optimizer_state_lists_every_slot(ctx: Any) -> dict[str, Any]:
+    """p = 1, d = 2 with sharded optimizer state: each replica holds half the slots and lists
+    them all."""
+    ref, dm = _adam_pair(ctx, {"partitions": 1, "shard_optimizer_state": True})
+    return _optimizer_report(ref, dm)
+
+
 def teardown(ctx: Any) -> None:
     """Rank 0 reads a variable of rank 1's stage after rank 1's script has ended."""
     import json

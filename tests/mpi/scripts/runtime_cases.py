@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfsmp
+from tfsmp.keras.porting import rank_variables  # what this rank holds
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS, BATCH = 3, 16
@@ -150,8 +151,8 @@ def optimizer_of(adam: bool, clip: bool = False) -> keras.optimizers.Optimizer:
 
 def optimizer_bytes(optimizer: keras.optimizers.Optimizer) -> int:
     """Bytes of the optimizer's non-scalar variables (its slots) on this rank."""
-    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in optimizer.variables
-               if len(v.shape))
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+               for v in rank_variables(optimizer) if len(v.shape))
 
 
 def _first(loss: object) -> float:

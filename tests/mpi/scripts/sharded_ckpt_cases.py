@@ -20,6 +20,7 @@ import tensorflow as tf
 from checkpoint_models import BATCH, batch_of, build_mlp, mlp_data, reinit, rel_err
 
 import tfsmp
+from tfsmp.keras.porting import rank_variables  # what this rank holds
 
 DIR = os.environ.get("TFSMP_CKPT_DIR", "/tmp/tfsmp_sharded_ckpt_cases")
 RTOL, ATOL = 1e-5, 1e-6
@@ -57,7 +58,7 @@ def _plain(steps: int) -> keras.Model:
 
 
 def _slot_bytes(optimizer: keras.optimizers.Optimizer) -> int:
-    return sum(int(np.prod(v.shape)) * 4 for v in optimizer.variables if len(v.shape))
+    return sum(int(np.prod(v.shape)) * 4 for v in rank_variables(optimizer) if len(v.shape))
 
 
 def case_save_sharded(ctx: object) -> dict[str, object]:
