@@ -31,10 +31,14 @@ reading each other's variables at once do not wait on each other.
 What value a read sees: the owner's variable when the request arrives. Between steps, which
 is where scripts read variables (after ``fit``, in a callback), that is the value after the
 last step every rank finished: a rank cannot start a step's work before every rank agrees to
-the step ([Note: one batch per step] in tfsmp/keras/data.py), so the owner cannot be past the
-step the reader is at. Reads inside a compiled function (graph mode) are refused as before:
-the value would be baked into the graph as a constant. Assignments to another stage's
-variable are refused as before (`tfsmp.graph.deferred`).
+the step (the per-step allgather of [Note: same batch on every rank] in tfsmp/keras/data.py),
+so the owner cannot be past the step the reader is at. Reads inside a compiled function (graph
+mode) are refused as before: the value would be baked into the graph as a constant. An
+assignment to another stage's variable raises a `StepError` saying where to assign it
+(`tfsmp.graph.deferred`; before, Keras failed with ``'NoneType' object has no attribute
+'assign'``). A model's optimizer slots are read the same way ([Note: the optimizer as Keras
+lists it] in tfsmp/checkpoint/keras_optimizer.py): `resolve` registers how the holder finds a
+variable made after partitioning by a key of its own.
 
 Shutdown: a rank whose script ended keeps answering until every rank's has
 (``MPI_Ibarrier`` on the service's communicator, then ``MPI_Finalize``, which waits for every
