@@ -20,6 +20,7 @@ CASES = ["case_every_rank_reads_every_variable",
          "case_a_read_of_a_variable_the_holder_lacks_is_refused",
          "case_the_service_does_not_keep_a_dropped_model_alive",
          "case_the_optimizer_lists_its_variables_as_keras_does",
+         "case_a_recompiled_model_lists_its_new_optimizers_variables",
          "case_sharded_optimizer_state_lists_every_slot"]
 
 
@@ -100,6 +101,16 @@ def test_the_optimizer_lists_keras_variables_with_values_equal_to_plain_keras(
         assert r["assign"] and "assigned only on the rank that holds it" in r["assign"]
     slots = {n for n in reports[0]["names"] if n not in ("iteration", "learning_rate")}
     assert (held[0] | held[1]) >= slots and not (held[0] & held[1]) & slots
+
+
+def test_a_recompiled_models_new_optimizer_lists_every_slot_with_its_holders_values(
+        job: dict) -> None:
+    reports = job["case_a_recompiled_model_lists_its_new_optimizers_variables"]
+    held = {**reports[0]["held"], **reports[1]["held"]}
+    for r in reports.values():
+        assert r["names"] == r["ref_names"] and len(r["names"]) == 2 + 2 * 8, r["names"]
+        assert len(r["held"]) < len(r["names"])
+        assert r["listed"] == {n: held[n] for n in r["listed"]}
 
 
 def test_a_rank_whose_script_ended_still_answers(job: dict) -> None:

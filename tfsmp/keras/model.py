@@ -260,9 +260,12 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
                         metrics=metrics, weighted_metrics=weighted_metrics, **kwargs)
         self._trainer_steps = None  # Keras's compile dropped its step functions too
-        if self._engine is not None and not self._refresh_engine():
+        if self._engine is None:
+            return
+        if not self._refresh_engine():
             self._engine.set_objective(getattr(self, "_compile_loss", None))
             self._engine.set_optimizer(self.optimizer)
+        self._attach_optimizer_view()  # the new optimizer lists its variables as Keras's would
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         """Keras's `compile_from_config` (how a loaded or cloned model is compiled again);
@@ -323,7 +326,6 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._engine = rebuild_engine(self._engine, getattr(self, "_compile_loss", None),
                                       getattr(self, "optimizer", None), xla=self._xla())
         self._trained_set = (ids, flags)
-        self._attach_optimizer_view()
         return True
 
     def _attach_optimizer_view(self) -> None:
