@@ -50,9 +50,9 @@ __all__ = ["GROUP", "attach_view", "keras_order", "local_state"]
 GROUP = "optimizer/vars"
 
 Kind = tuple[str, Any]  # ("slot", (model key, slot name)) | ("global", name)
-_CACHE: weakref.WeakKeyDictionary[Any, tuple[int, str, list[Kind]]] = (
-    weakref.WeakKeyDictionary())
-_SPECS: weakref.WeakKeyDictionary[Any, tuple[int, str, list[tuple[str, tuple[int, ...], str]]]] = (
+Spec = tuple[str, tuple[int, ...], str]  # an optimizer variable's name, shape and dtype
+# dm -> (id(optimizer), its config, `keras_order`, each entry's `Spec`)
+_CACHE: weakref.WeakKeyDictionary[Any, tuple[int, str, list[Kind], list[Spec]]] = (
     weakref.WeakKeyDictionary())
 _STAND_INS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
@@ -103,26 +103,24 @@ def keras_order(dm: Any) -> list[Kind]:
     Raises:
         CheckpointError: the optimizer has a variable tfsmp cannot name.
     """
+    return _shadow_order(dm)[2]
+
+
+def _shadow_order(dm: Any) -> tuple[int, str, list[Kind], list[Spec]]:
+    """``dm``'s `_CACHE` entry, made from a shadow of its optimizer when the optimizer changed."""
     optimizer = dm.optimizer
     signature = repr(keras.optimizers.serialize(optimizer))
     cached = _CACHE.get(dm)
     if cached is not None and cached[0] == id(optimizer) and cached[1] == signature:
-        return cached[2]
+        return cached
     layout = layout_of(dm)
     variables = list(dm.source_model().trainable_variables)
     shadow, _ = _shadow(optimizer, variables)
     kinds = _kinds(shadow, variables, layout)
     order = [kinds[id(v)] for v in shadow.variables]
-    _CACHE[dm] = (id(optimizer), signature, order)
-    _SPECS[dm] = (id(optimizer), signature,
-                  [(str(v.name), tuple(v.shape), str(v.dtype)) for v in shadow.variables])
-    return order
-
-
-def _specs(dm: Any) -> list[tuple[str, tuple[int, ...], str]]:
-    """Name, shape and dtype of each entry of `keras_order`, in that order."""
-    keras_order(dm)
-    return _SPECS[dm][2]
+    specs = [(str(v.name), tuple(v.shape), str(v.dtype)) for v in shadow.variables]
+    _CACHE[dm] = (id(optimizer), signature, order, specs)
+    return _CACHE[dm]
 
 
 def attach_view(dm: Any) -> None:
@@ -160,13 +158,12 @@ def _keras_variables(dm: Any, optimizer: Any, build: int) -> list[Any] | None:
     rank's own list) where that list cannot be made."""
     if dm is None or dm.optimizer is not optimizer or not optimizer.built:
         return None
+    view = layout_of(dm)
     try:
-        order = keras_order(dm)
-        specs = _specs(dm)
-        slots, globals_ = optimizer_state(optimizer, layout_of(dm))
+        _, _, order, specs = _shadow_order(dm)
+        slots, globals_ = optimizer_state(optimizer, view)
     except Exception:  # a model tfsmp cannot name the slots of: its own list, as before
         return None
-    view = layout_of(dm)
     stand_ins = _STAND_INS.setdefault(dm, {})
     listed: list[Any] = []
     for (kind, key), spec in zip(order, specs):
@@ -186,7 +183,7 @@ def _keras_variables(dm: Any, optimizer: Any, build: int) -> list[Any] | None:
     return listed
 
 
-def _stand_in(optimizer: Any, spec: tuple[str, tuple[int, ...], str], holder: int,
+def _stand_in(optimizer: Any, spec: Spec, holder: int,
               key: tuple[int, Any]) -> Any:
     """A storage-less variable named and shaped as the optimizer's slot ``spec`` whose eager
     reads ask world rank ``holder`` for its value ([Note: remote reads])."""
