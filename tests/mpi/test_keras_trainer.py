@@ -22,7 +22,8 @@ CASES = ["case_callbacks_m2", "case_shuffled_arrays_m2", "case_pydataset_shuffle
          "case_terminate_on_nan_m2", "case_string_inputs_m2", "case_balancing_loss_m1",
          "case_balancing_loss_m4", "case_tfsmp_backup_positions_m2", "case_unplannable_m2",
          "case_keras_saving_functions_m2", "case_pickle_m2", "case_multi_optimizer_m2",
-         "case_csv_logger_m2", "case_one_dimensional_inputs_m2", "case_export_exact_m2"]
+         "case_csv_logger_m2", "case_one_dimensional_inputs_m2", "case_export_exact_m2",
+         "case_recompile_sequence_m2", "case_recompile_sequence_zb_m4"]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,12 @@ def test_dataset_with_steps_per_epoch_loses_no_batch(results: dict) -> None:
 
 def test_freezing_and_recompiling_trains_the_new_set(results: dict) -> None:
     assert _both(results, "case_freeze_and_recompile_m2")["weights_same"]
+
+
+@pytest.mark.parametrize("case", ["case_recompile_sequence_m2", "case_recompile_sequence_zb_m4"])
+def test_compiling_again_trains_on_as_keras(results: dict, case: str) -> None:
+    r = _both(results, case)
+    assert r["history_same"] == [True] * 5 and r["weights_same"] == [True] * 5, r
 
 
 def test_saved_keras_file_keeps_compile_and_optimizer_state(results: dict) -> None:

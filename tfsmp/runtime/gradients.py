@@ -101,6 +101,11 @@ class GradientStore:
         # none when the stage updates its variables inside its backward ([Note: direct update]
         # in tfsmp/runtime/memory.py)
         self.accumulators: list[tf.Variable] = []
+        # [Note: traced accumulators] A compiled program captures the accumulator variables
+        # it writes when it traces; this counts the times the set of variables changed, so
+        # that programs traced before trace anew (a model compiled again with a new optimizer
+        # decides its accumulators anew, and its old programs wrote the dropped variables).
+        self.generation = 0
         if accumulate:
             self.ensure_accumulators()
         self.rules: dict[int, str] = {}  # sparse variable index -> CONCAT | SUM
@@ -127,7 +132,15 @@ class GradientStore:
                 continue
             out.append(tf.Variable(tf.zeros(v.shape if full else (0,), dtype=v.dtype),
                                    trainable=False, name=f"acc_{self.stage}_{i}"))
+        if len(out) != len(have) or any(a is not b for a, b in zip(out, have)):
+            self.generation += 1
         self.accumulators = out
+
+    def drop_accumulators(self) -> None:
+        """No accumulators until `ensure_accumulators` makes them anew."""
+        if self.accumulators:
+            self.accumulators = []
+            self.generation += 1
 
     def step(self) -> GradientState:
         """The gradients of a new step, owned by that step's result ([Note: gradient state])."""

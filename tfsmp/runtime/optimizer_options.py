@@ -69,6 +69,7 @@ class OptimizerBridge:
         self.plain = not self.scaled and not self._global_clip and not self.regularized
         self._apply_fn: Any = None
         self._deferred_fn: Any = None
+        self._traced_with: tuple[int, ...] = ()  # the accumulators the programs read
 
     def _patch_global_clipnorm(self, inner: Any) -> bool:
         """Makes Keras's ``_clip_gradients`` see the whole pipeline's norm ([Note: optimizer
@@ -131,6 +132,10 @@ class OptimizerBridge:
         weight regularizers' gradients, compiled once."""
         deferred = factor != 1.0
         fn = self._deferred_fn if deferred else self._apply_fn
+        key = tuple(id(a) for a in accumulators)  # [Note: traced accumulators] in gradients.py
+        if key != self._traced_with:
+            self._apply_fn = self._deferred_fn = fn = None
+            self._traced_with = key
         if fn is None:
             fn = tf.function(self._builder(accumulators, deferred), jit_compile=self.xla or None,
                              reduce_retracing=True)

@@ -291,6 +291,7 @@ class StageProgram:
         self._late_owner: DirectUpdate | None = None
         self._late_mine: tuple[int, ...] = ()  # the trainable variables the late update takes
         self._late_specs: list[tuple[Any, Any]] = []
+        self._traced_generation = self._store.generation  # [Note: traced accumulators]
 
     @property
     def accumulators(self) -> list[tf.Variable]:
@@ -305,9 +306,20 @@ class StageProgram:
         self._retrace()
 
     def _retrace(self) -> None:
+        """New programs for those that update or accumulate (each traces at its next call)."""
         self._bwd_recompute = self._compile_fn(self._backward_recompute_fn)
         self._fused = self._compile_fn(self._fused_fn)
+        self._weight = self._compile_fn(self._weight_fn)
+        self._accumulate = tf.function(self._accumulate_fn)
         self._direct = tf.function(self._direct_fn)
+        self._traced_generation = self._store.generation
+
+    def _ensure_accumulators(self, skip: frozenset[int] = frozenset()) -> None:
+        """The store's `ensure_accumulators`; programs that captured replaced accumulators
+        trace anew ([Note: traced accumulators] in gradients.py)."""
+        self._store.ensure_accumulators(skip)
+        if self._store.generation != self._traced_generation:
+            self._retrace()
 
     @property
     def late_undecided(self) -> bool:
@@ -322,9 +334,9 @@ class StageProgram:
         self.late, self._late_microbatches, self._late_decided = late, microbatches, False
         self._late_fn = None
         if late:
-            self._store.accumulators = []  # made at the decision, for the variables not deferred
+            self._store.drop_accumulators()  # made at the decision, for the variables not deferred
         elif self.update is None:  # a direct update keeps none ([Note: direct update])
-            self._store.ensure_accumulators()
+            self._ensure_accumulators()
 
     def _decide_late(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor
                      ) -> None:
@@ -344,7 +356,7 @@ class StageProgram:
         elif self.update is not None:  # [Note: late before direct]
             self.update = None
             self._retrace()
-        self._store.ensure_accumulators(self._deferred if self.late else frozenset())
+        self._ensure_accumulators(self._deferred if self.late else frozenset())
 
     def apply_late(self, update: DirectUpdate, factor: float, group: Any = None,
                    owned: set[int] | None = None) -> bool:
