@@ -23,7 +23,8 @@ CASES = ["case_callbacks_m2", "case_shuffled_arrays_m2", "case_pydataset_shuffle
          "case_balancing_loss_m4", "case_tfsmp_backup_positions_m2", "case_unplannable_m2",
          "case_keras_saving_functions_m2", "case_pickle_m2", "case_multi_optimizer_m2",
          "case_csv_logger_m2", "case_one_dimensional_inputs_m2", "case_export_exact_m2",
-         "case_recompile_sequence_m2", "case_recompile_sequence_zb_m4"]
+         "case_recompile_sequence_m2", "case_recompile_sequence_zb_m4",
+         "case_recompile_replicas_m2"]
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +68,15 @@ def test_freezing_and_recompiling_trains_the_new_set(results: dict) -> None:
     assert _both(results, "case_freeze_and_recompile_m2")["weights_same"]
 
 
-@pytest.mark.parametrize("case", ["case_recompile_sequence_m2", "case_recompile_sequence_zb_m4"])
+@pytest.mark.parametrize("case", ["case_recompile_sequence_m2", "case_recompile_sequence_zb_m4",
+                                  "case_recompile_replicas_m2"])
 def test_compiling_again_trains_on_as_keras(results: dict, case: str) -> None:
     r = _both(results, case)
     assert r["history_same"] == [True] * 5 and r["weights_same"] == [True] * 5, r
+
+
+def test_accumulators_a_compile_replaced_are_freed(results: dict) -> None:
+    assert _both(results, "case_recompile_replicas_m2")["replaced_freed"]
 
 
 def test_saved_keras_file_keeps_compile_and_optimizer_state(results: dict) -> None:

@@ -44,7 +44,10 @@ class Reduction:
         self.size = group.size
         self.horovod = horovod  # with `horovod: True`, gradients are summed through Horovod
         self.watch = watch or (lambda what: contextlib.nullcontext())
-        self._reducers: dict[tuple[Any, ...], list[_FusedReducer]] = {}
+        # per caller (`what`): the variables' ids and their reducers; a caller's new variables
+        # replace its old ones (accumulators made anew: [Note: traced accumulators]), which
+        # are then freed
+        self._reducers: dict[str, tuple[tuple[Any, ...], list[_FusedReducer]]] = {}
         self._shared = _SharedBuffer()  # [Note: reduction buckets]
         self._sparse_union: dict[int, set[int]] = {}  # [Note: sparse agreement]
 
@@ -52,10 +55,12 @@ class Reduction:
         """Sums ``variables`` over the replicas through one fused MPI buffer (``wide``: in
         float64) and assigns the result back ([Note: fused reduction])."""
         key = (tuple(id(v) for v in variables), wide)
-        reducers = self._reducers.get(key)
-        if reducers is None:
-            reducers = self._reducers[key] = [_FusedReducer(b, wide, self._shared)
-                                              for b in buckets(variables)]
+        cached = self._reducers.get(what)
+        if cached is not None and cached[0] == key:
+            reducers = cached[1]
+        else:
+            reducers = [_FusedReducer(b, wide, self._shared) for b in buckets(variables)]
+            self._reducers[what] = (key, reducers)
         for reducer in reducers:  # [Note: reduction buckets]
             flat = reducer.gather()
             with self.watch(what):

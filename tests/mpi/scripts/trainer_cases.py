@@ -215,7 +215,7 @@ def case_freeze_and_recompile_m2(ctx: Any) -> dict[str, Any]:
     return {"weights_same": _same_weights(got, want)}
 
 
-def _recompile_sequence(model: Any, x: Any, y: Any) -> list[Any]:
+def _recompile_sequence(model: Any, x: Any, y: Any, after_fit: Any = None) -> list[Any]:
     """Trains on through compile calls that change the optimizer (its kind, its slots, its
     clipping), the loss and the metrics, and one that keeps the optimizer object (Keras keeps
     its state then); after each fit: History and weights."""
@@ -235,6 +235,8 @@ def _recompile_sequence(model: Any, x: Any, y: Any) -> list[Any]:
             kw = {**kw, "optimizer": model.optimizer}
         model.compile(**kw)
         out.append((model.fit(x, y, **fit).history, list(model.get_weights())))
+        if after_fit is not None:
+            after_fit(model)
     return out
 
 
@@ -260,6 +262,31 @@ def case_recompile_sequence_zb_m4(ctx: Any) -> dict[str, Any]:
     """The same under the zero-bubble schedule (split stages write their weight gradients
     in a program of their own)."""
     return _recompile_compare(ctx, pipeline="zb-h1")
+
+
+def case_recompile_replicas_m2(ctx: Any) -> dict[str, Any]:
+    """The same at one stage with 2 data-parallel replicas; and the accumulators a compile
+    replaced are freed (the reduction kept every set it had reduced, one more per compile)."""
+    import gc
+    import weakref
+
+    x, y = _data()
+    want = _recompile_sequence(_mlp(), x, y)
+    reinit({"partitions": 1, "stall_timeout": 120}, microbatches=_m(ctx))
+    seen: list[Any] = []
+
+    def remember(model: Any) -> None:
+        seen.extend(weakref.ref(a) for p in model._engine.programs.values()
+                    for a in p.accumulators)
+
+    dm = tfsmp.DistributedModel(_mlp())
+    got = _recompile_sequence(dm, x, y, remember)
+    gc.collect()
+    current = {id(a) for p in dm._engine.programs.values() for a in p.accumulators}
+    alive = {id(r()) for r in seen if r() is not None}
+    return {"history_same": [_same_history(g[0], w[0]) for g, w in zip(got, want)],
+            "weights_same": [_same_weights(g[1], w[1]) for g, w in zip(got, want)],
+            "replaced_freed": bool(current) and alive == current}
 
 
 def case_save_keras_file_m2(ctx: Any) -> dict[str, Any]:
