@@ -99,3 +99,24 @@ def test_clipnorm_and_large_batches_keep_accumulators() -> None:
         assert not engine.programs[0].late
     finally:
         smp.shutdown()
+
+
+def test_the_store_counts_changes_of_its_variables_only() -> None:
+    """[Note: traced accumulators]: a stage retraces its programs when this count moves (the
+    behaviour itself, a compile at partitions=2: tests/mpi/test_keras_trainer.py)."""
+    import tensorflow as tf
+
+    from tfsmp.runtime.gradients import GradientStore
+
+    store = GradientStore(0, [tf.Variable(np.zeros((3, 2), np.float32)),
+                              tf.Variable(np.zeros(2, np.float32))])
+    first = list(store.accumulators)
+    g = store.generation
+    store.ensure_accumulators()  # the same variables: no change
+    assert store.generation == g and all(a is b for a, b in zip(store.accumulators, first))
+    store.ensure_accumulators(frozenset({0}))  # a placeholder replaces the first
+    assert store.generation == g + 1 and store.accumulators[1] is first[1]
+    store.drop_accumulators()
+    assert store.generation == g + 2 and store.accumulators == []
+    store.drop_accumulators()  # nothing to drop
+    assert store.generation == g + 2
