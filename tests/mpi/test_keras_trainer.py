@@ -24,7 +24,9 @@ CASES = ["case_callbacks_m2", "case_shuffled_arrays_m2", "case_pydataset_shuffle
          "case_keras_saving_functions_m2", "case_pickle_m2", "case_multi_optimizer_m2",
          "case_csv_logger_m2", "case_one_dimensional_inputs_m2", "case_export_exact_m2",
          "case_recompile_sequence_m2", "case_recompile_sequence_zb_m4",
-         "case_recompile_replicas_m2"]
+         "case_recompile_replicas_m2", "case_own_compute_loss_m2",
+         "case_own_compute_loss_replicas_m2", "case_own_compute_loss_refusals_m2",
+         "case_distiller_m2", "case_uneven_replica_rows_m2"]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,36 @@ def test_compiling_again_trains_on_as_keras(results: dict, case: str) -> None:
 
 def test_accumulators_a_compile_replaced_are_freed(results: dict) -> None:
     assert _both(results, "case_recompile_replicas_m2")["replaced_freed"]
+
+
+@pytest.mark.parametrize("case", ["case_own_compute_loss_m2",
+                                  "case_own_compute_loss_replicas_m2"])
+def test_a_models_own_compute_loss_trains_as_keras(results: dict, case: str) -> None:
+    r = _both(results, case)
+    assert r["history_same"], r["detail"]
+    assert r["evaluate_same"] == [True, True] and r["weights_same"], r
+    assert r["keys"] == ["custom", "loss", "mae", "val_custom", "val_loss", "val_mae"]
+    assert r["custom_is_4x_loss"]  # the metric it updates saw the whole batch's value
+
+
+def test_replicas_with_uneven_rows_decide_alike_and_train_as_keras(results: dict) -> None:
+    r = _both(results, "case_uneven_replica_rows_m2")
+    assert r["history_same"] and r["weights_same"], r
+
+
+def test_keras_distiller_trains_as_keras(results: dict) -> None:
+    r = _both(results, "case_distiller_m2")
+    assert r["history_same"], r["detail"]
+    assert r["evaluate_same"] and r["weights_same"], r
+    assert {"distillation_loss", "student_loss", "total_loss", "loss"} <= set(r["keys"])
+
+
+def test_a_compute_loss_a_pipeline_cannot_split_is_refused_before_any_update(
+        results: dict) -> None:
+    r = _both(results, "case_own_compute_loss_refusals_m2")
+    assert r["ignores_losses"].startswith("A pipelined model adds its layers' losses"), r
+    assert r["peak"].startswith("A model's own compute_loss() runs once per microbatch"), r
+    assert r["ignores_losses_unchanged"] and r["peak_unchanged"]
 
 
 def test_saved_keras_file_keeps_compile_and_optimizer_state(results: dict) -> None:

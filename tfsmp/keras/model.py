@@ -257,6 +257,14 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
                 metrics: Any = None, weighted_metrics: Any = None, **kwargs: Any) -> None:
+        # a wrapped model whose class compiles its own way (Keras's Distiller keeps its student
+        # loss there, for its compute_loss) is compiled so first, as its user would compile it
+        wrapped = self.__dict__.get("_wrapped")
+        if wrapped is not None and type(wrapped).compile is not keras.Model.compile:
+            extra = {k: v for k, v in (("loss_weights", loss_weights),
+                                       ("weighted_metrics", weighted_metrics)) if v is not None}
+            type(wrapped).compile(wrapped, optimizer=optimizer, loss=loss, metrics=metrics,
+                                  **extra, **kwargs)
         super().compile(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
                         metrics=metrics, weighted_metrics=weighted_metrics, **kwargs)
         self._trainer_steps = None  # Keras's compile dropped its step functions too
@@ -266,6 +274,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             self._engine.set_objective(getattr(self, "_compile_loss", None))
             self._engine.set_optimizer(self.optimizer)
         self._attach_optimizer_view()  # the new optimizer lists its variables as Keras's would
+        self._attach_model_loss()
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         """Keras's `compile_from_config` (how a loaded or cloned model is compiled again);
@@ -326,7 +335,22 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         self._engine = rebuild_engine(self._engine, getattr(self, "_compile_loss", None),
                                       getattr(self, "optimizer", None), xla=self._xla())
         self._trained_set = (ids, flags)
+        self._attach_model_loss()
         return True
+
+    def model_loss(self) -> Any:
+        """The model's own compute_loss as the step's loss term, or None when its class keeps
+        Keras's ([Note: a model's own compute_loss] in tfsmp/keras/model_loss.py)."""
+        return self.__dict__.get("_tfsmp_model_loss")
+
+    def _attach_model_loss(self) -> None:
+        from tfsmp.keras.model_loss import ModelLoss, overridden_by
+
+        found = self.__dict__.get("_tfsmp_model_loss")
+        if found is None or found.owner is not overridden_by(self):
+            found = self.__dict__["_tfsmp_model_loss"] = ModelLoss.of(self)
+        if self._engine is not None:
+            self._engine.set_custom_loss(found)
 
     def _attach_optimizer_view(self) -> None:
         """[Note: the optimizer as Keras lists it] in tfsmp/checkpoint/keras_optimizer.py."""
@@ -401,6 +425,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             export.remember_inputs(self, sample_x)  # save_model's signature takes these dtypes
             export.apply_pending(self)  # weights or a checkpoint restored before partitioning
         self._attach_optimizer_view()
+        self._attach_model_loss()
         for hook in list(_POST_PARTITION_HOOKS):
             hook()
         return self._engine
@@ -456,6 +481,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         if loss:
             self._check_compiled()
         check_overrides(self, entry, rank_tag=self._rank_tag())
+        self._attach_model_loss()
         if train:
             config, data = self._state.config, self._state.comm.data.size
             check_trainable(self, pipeline_ranks=config.partitions,
@@ -654,6 +680,13 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         mine = {id(v) for v in self._view().held_variables().values()}
         return {i for i, v in enumerate(self._all_variables()) if id(v) in mine}
 
+    def _untraced(self) -> set[int]:
+        """The indices of weights no stage holds: the model holds them but its call never
+        reads them (a `Distiller`'s teacher, which its compute_loss runs). No rank releases
+        them, so every rank has them whole."""
+        known = {id(v) for v in self._view().variables.values()}
+        return {i for i, v in enumerate(self._all_variables()) if id(v) not in known}
+
     def model_weights(self) -> list[Any]:
         """Every weight of the whole model, in `get_weights`'s order (after partitioning this
         rank holds the values of those `held_weights` names only)."""
@@ -680,7 +713,8 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         variables = self._all_variables()
         if self._engine is None:
             return {i: variables[i].numpy() for i in sorted(indices)}
-        local = {i: variables[i].numpy() for i in self._owned() if i in indices}
+        local = {i: variables[i].numpy() for i in self._owned() | self._untraced()
+                 if i in indices}
         merged: dict[int, np.ndarray] = {}
         for part in self._view().groups.pipeline.allgather_obj(local):
             merged.update(part)
@@ -697,7 +731,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             raise ValueError(
                 f"set_weights needs one array per model weight. Received: {len(weights)} arrays "
                 f"for {len(variables)} weights.")
-        for i in self._owned():
+        for i in sorted(self._owned() | self._untraced()):
             if tuple(np.shape(weights[i])) != tuple(variables[i].shape):
                 raise ValueError(
                     f"Weight shapes must match. Received: shape {np.shape(weights[i])} for "

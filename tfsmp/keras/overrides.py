@@ -33,9 +33,6 @@ HOOKS: dict[str, tuple[tuple[str, ...], str]] = {
                   "evaluate runs its step as stage programs on several ranks"),
     "predict_step": (("predict", "predict_on_batch"),
                      "predict runs its step as stage programs on several ranks"),
-    "compute_loss": (("fit", "evaluate", "train_on_batch", "test_on_batch"),
-                     "the loss is split into microbatch parts on the last stage "
-                     "(docs/keras_semantics.md)"),
     "compute_metrics": (("fit", "evaluate", "train_on_batch", "test_on_batch"),
                         "metrics are updated per microbatch on the last stage"),
     "make_train_function": (("fit", "train_on_batch"), "there is no single train function"),
@@ -68,7 +65,7 @@ def check_overrides(model: Any, entry: str, *, rank_tag: str = "") -> None:
                 raise StepError(
                     f"{rank_tag} A pipelined model cannot run a model's own {name}(): {why}. "
                     f"Received: {type(obj).__name__}.{name} overrides Keras's, for "
-                    f"{entry}(). Move the custom logic into layers, losses, metrics or "
+                    f"{entry}(). Move the custom logic into compute_loss(), layers, losses, metrics or "
                     f"callbacks (which tfsmp runs as written), or write the step with "
                     f"@smp.step (docs/keras_semantics.md).".strip())
 

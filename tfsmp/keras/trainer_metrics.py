@@ -169,6 +169,70 @@ class TrainerMetrics:
             compiled.reset_state()
         self._update(y, outputs, sw)
 
+    def after_custom_step(self, view: Any, result: Any, x: Any, y: Any, sw: Any, *,
+                          loss: Any, saved: tuple[list[Any], list[np.ndarray]],
+                          training: bool, layer_losses: bool, rank_tag: str) -> dict[str, Any]:
+        """`after_step` for a model's own compute_loss ([Note: a model's own compute_loss] in
+        model_loss.py): the metric updates of the per-microbatch calls undone, the override
+        called once on the global batch on the last stage's ranks (its value is the step's
+        loss), and every metric's state sent to the other pipeline ranks."""
+        from tfsmp.keras import model_loss
+
+        model = self.model
+        variables, before = saved
+        model_loss.restore(variables, before)
+        rows = mbatch.batch_size_of(x)
+        outputs = replica_outputs(view, result)
+        failed: Exception | None = None
+        payload: Any = None
+        if outputs is not None:
+            try:
+                y_pred = self._pack_masked(outputs)
+                terms = list(getattr(result, "term_values", None) or [])
+                total = float(result.loss) - (float(terms[0]) if terms else 0.0)
+                value = loss.batch_value(x, y, y_pred, sw, training=training,
+                                         losses=[tf.constant(total, tf.float32)]
+                                         if layer_losses else [])
+                model.loss_tracker().update_state(value, sample_weight=rows)
+                compiled = model.compiled_metrics_object()
+                if compiled is not None and y is not None:
+                    self._update_here(compiled, y, outputs, sw)
+            except Exception as e:  # every rank raises it, none waits for the rest
+                failed = e
+            payload = (("error", type(failed).__name__, str(failed)) if failed is not None else
+                       ([(v.shape, v.dtype.str) for v, _ in outputs],
+                        model_loss.snapshot(model_loss.metric_variables(model))))
+        if view.groups.pipeline.size > 1:
+            payload = view.groups.pipeline.bcast_obj(payload, root=view.last_rank)
+        if failed is not None:
+            raise failed
+        if not view.is_last_rank and payload is not None:
+            if payload[0] == "error":
+                raise failure.echo(_same_error(payload[1], payload[2]),
+                                   origin=view.groups.pipeline.ranks[view.last_rank])
+            specs, values = payload
+            compiled = model.compiled_metrics_object()
+            if compiled is not None and y is not None and not compiled.built:
+                zeros = self._pack([np.zeros(s, dtype=d) for s, d in specs])
+                compiled.build(y, zeros)
+                compiled.update_state(y, zeros)
+            mine = model_loss.metric_variables(model)
+            if len(mine) != len(values):
+                raise StepError(
+                    f"{rank_tag} Every rank must hold the same metrics. Received: "
+                    f"{len(mine)} metric variables here, {len(values)} on the last stage's "
+                    f"rank. Create the metrics a compute_loss() updates in the model's "
+                    f"__init__.")
+            model_loss.restore(mine, values)
+        return dict(model.get_metrics_result())
+
+    def _pack_masked(self, outputs: list[Output]) -> Any:
+        values = [tf.convert_to_tensor(v) for v, _ in outputs]
+        for t, (_, m) in zip(values, outputs):
+            if m is not None:
+                set_keras_mask(t, tf.convert_to_tensor(m))
+        return self.model.rank_view_or_raise().traced.pack_outputs(values)
+
     def ensure_built(self, engine: Any, x: Any, y: Any) -> None:
         """Builds the compiled metrics from the outputs' shapes without a step (an epoch a
         resumed fit passes over entirely still reports Keras's logs)."""

@@ -219,13 +219,36 @@ class TrainerSteps:
                 f"[{model.runtime_state().tag()}] The loss needs targets. Received: y=None. "
                 f"Pass y to fit(), or yield (x, y) pairs from the dataset.")
         engine.nonfinite = model.nonfinite_mode()
+        saved = self._before_custom(x, training=True)
         result = engine.train_step(x, y, sw)  # the global batch: [Note: one owner of the step]
-        return self.metrics.after_step(engine.view, result, x, y, sw)
+        return self._after(engine, result, x, y, sw, saved, training=True)
 
     def _test_batch(self, x: Any, y: Any, sw: Any) -> dict[str, Any]:
         engine = self.model.engine_for(x)
+        saved = self._before_custom(x, training=False)
         result = engine.evaluate(x, y, sw)
-        return self.metrics.after_step(engine.view, result, x, y, sw)
+        return self._after(engine, result, x, y, sw, saved, training=False)
+
+    # [Note: a model's own compute_loss] in tfsmp/keras/model_loss.py: the phase and the inputs'
+    # structure for its calls, and the metrics' state before them (restored after the step)
+    def _before_custom(self, x: Any, *, training: bool) -> Any:
+        loss = self.model.model_loss()
+        if loss is None:
+            return None
+        from tfsmp.keras import model_loss
+
+        loss.training, loss.template = training, x
+        variables = model_loss.metric_variables(self.model)
+        return variables, model_loss.snapshot(variables)
+
+    def _after(self, engine: Any, result: Any, x: Any, y: Any, sw: Any, saved: Any, *,
+               training: bool) -> dict[str, Any]:
+        loss = self.model.model_loss()
+        if loss is None or saved is None:
+            return self.metrics.after_step(engine.view, result, x, y, sw)
+        return self.metrics.after_custom_step(
+            engine.view, result, x, y, sw, loss=loss, saved=saved, training=training,
+            layer_losses=engine.has_layer_losses(), rank_tag=f"[{self.model.runtime_state().tag()}]")
 
     # -- predict ----------------------------------------------------------------------------------
 

@@ -105,6 +105,7 @@ class Engine:
                                       tied=any(t.copies > 1 for t in plan.ties),
                                       drain=plan.drain_split)
         self.objective = objective
+        self.custom_loss: Any = None  # [Note: a model's own compute_loss]: set_custom_loss
         shapes = BoundaryShapes.for_plan(traced, plan)  # [Note: dynamic boundaries]
         relax = _dynamic_inputs(traced, shapes)
         # stages that may update in their backward, or take linear layers' gradients at the
@@ -350,7 +351,9 @@ class Engine:
             self._prepare(x, y, sample_weight)
         _, result = self._forward(x, shape)
         partial = np.zeros(2 * len(objective.terms))
-        if self.is_last_rank and result.outputs:
+        # a model's own compute_loss is called once on the whole batch after the step (by
+        # tfsmp/keras/trainer_metrics.py), not per microbatch: its term stays 0 here
+        if self.is_last_rank and result.outputs and objective.custom is None:
             self.batching.labels(result.microbatches, y, sample_weight, shape)
             for i, mb in enumerate(result.microbatches):
                 rec = objective.call(mb.y, self.traced.pack_outputs(result.outputs[i]),
@@ -418,19 +421,24 @@ class Engine:
                 f"microbatch\").", stacklevel=2)
         with _watched("every rank's layer-loss flag (an allgather)"):
             self._layer_losses = any(self.comm.world.allgather_obj(mine))
-        if self._objective().compile_loss is None and not self._layer_losses:
+        if (self._objective().compile_loss is None and self._objective().custom is None
+                and not self._layer_losses):
             raise StepError(  # Keras's words (Trainer.compute_loss), on every rank alike
                 f"{self.rank_tag} No loss to compute. Provide a `loss` argument in `compile()`. "
                 f"Received: a model compiled without a loss whose layers add none (add_loss, "
                 f"regularizers).")
         rows = min(mbatch.batch_size_of(x), 3)
         head = mbatch.take_rows((x, y, sample_weight), 0, rows)
+        inputs = None
+        if self._objective().custom is not None:  # [Note: a model's own compute_loss]
+            packed = self.traced.pack_inputs(head[0])
+            inputs = [packed[k] for k in self.traced.input_keys]
         # a later batch may have more parts than this one: decide for the most a step can have
         self._objective().prepare(head[1], head[2], self.batching.like_outputs(head[0]),
                                   parts=parts,
                                   has_layer_losses=self._layer_losses,
                                   scaled=self.updates.bridge is not None and self.updates.bridge.scaled,
-                                  rank_tag=self.rank_tag)
+                                  rank_tag=self.rank_tag, inputs=inputs)
 
     def _objective(self) -> Objective:
         if self.objective is None:
@@ -460,7 +468,8 @@ class Engine:
                     and not self.ties.count and not self._xla
                     and self.optimizer is not None and self.updates.bridge is not None
                     and self.updates.bridge.plain and not self._layer_losses
-                    and self.objective is not None and self.objective.prepared)
+                    and self.objective is not None and self.objective.prepared
+                    and self.objective.custom is None)
             self._one_call = False
             if fits and prog is not None and not prog.split:
                 self._one_call = OneCallStep(
@@ -479,10 +488,29 @@ class Engine:
 
     def set_objective(self, compile_loss: Any) -> None:
         """Trains with ``compile_loss`` from now on (a model compiled again after partitioning)."""
-        self.objective = Objective(compile_loss)  # None: the layers' losses only, as in Keras
+        # None: the layers' losses only, as in Keras
+        self.objective = Objective(compile_loss, self.custom_loss)
         for prog in self.programs.values():
             prog.set_objective(self.objective)
         self._one_call = None
+
+    def has_layer_losses(self) -> bool:
+        """Whether some rank's layers add losses or its variables have regularizers (known
+        from the first step's preparation on)."""
+        return bool(getattr(self, "_layer_losses", False))
+
+    def set_custom_loss(self, custom: Any) -> None:
+        """Trains with the model's own compute_loss, ``custom(inputs, y, y_pred,
+        sample_weight)``, from now on (None: the compiled loss); [Note: a model's own
+        compute_loss] in tfsmp/keras/model_loss.py. The last stage's ranks then convert every
+        model input, which the loss is given."""
+        if custom is self.custom_loss:
+            return
+        self.custom_loss = custom
+        if custom is not None and self.is_last_rank:
+            self.batching.reads = None
+        if self.objective is not None:
+            self.set_objective(self.objective.compile_loss)
 
     def set_optimizer(self, optimizer: Any) -> None:
         """Steps with ``optimizer`` from now on (a model compiled again after partitioning)."""

@@ -786,8 +786,10 @@ class Executor:
             result.outputs[i] = step.head(LastStage(prog, i, inputs, recv))
             sends = []
         elif prog.is_last and train:
-            record, outputs = prog.forward_backward_last(i, inputs, recv, mb.y,
-                                                         mb.sample_weight, mb.consts)
+            custom = prog.objective is not None and prog.objective.custom is not None
+            record, outputs = prog.forward_backward_last(
+                i, inputs, recv, mb.y, mb.sample_weight, mb.consts,
+                [mb.inputs[k] for k in prog.traced.input_keys] if custom else None)
             result.records[i] = record
             result.outputs[i] = outputs
             sends = []

@@ -152,8 +152,12 @@ def decompose(loss: Any, y_true: Any, y_pred: Any, sample_weight: Any) -> tuple[
 class Objective:
     """The compiled loss of a model, decomposed for microbatches. See the module docstring."""
 
-    def __init__(self, compile_loss: Any) -> None:
+    def __init__(self, compile_loss: Any, custom: Any = None) -> None:
         self.compile_loss = compile_loss
+        # [Note: a model's own compute_loss] in tfsmp/keras/model_loss.py: called as
+        # ``custom(inputs, y, y_pred, sample_weight)`` (``inputs``: the model's inputs in
+        # `TracedModel.input_keys` order), one scalar term in place of the compiled loss's
+        self.custom = custom
         self.terms: list[Term] = []
         self.deferred = False  # a mask term's normalizer is applied after accumulation
         self.prepared = False
@@ -194,9 +198,18 @@ class Objective:
             if saved:
                 cl._flat_losses, cl._metrics = saved[0]  # noqa: SLF001
 
-    def call(self, y: Any, y_pred: Any, sample_weight: Any) -> Recorded:
+    def call(self, y: Any, y_pred: Any, sample_weight: Any, inputs: list[Any] | None = None
+             ) -> Recorded:
         """Runs the compiled loss on one microbatch, recording its terms (none for a model
-        compiled without a loss, which trains on its layers' losses alone, as in Keras)."""
+        compiled without a loss, which trains on its layers' losses alone, as in Keras); or
+        the model's own compute_loss (`custom`), one ``scalar`` term, given the microbatch's
+        ``inputs``."""
+        if self.custom is not None:
+            if inputs is None:
+                raise StepError("A model's own compute_loss needs the microbatch's inputs "
+                                "(tfsmp passes them to the last stage). Please report this.")
+            value = tf.cast(self.custom(inputs, y, y_pred, sample_weight), tf.float32)
+            return Recorded([value], [tf.ones((), tf.float32)], [SCALAR], [1.0])
         if self.compile_loss is None:
             return Recorded()
         with self.recording() as out:
@@ -240,7 +253,8 @@ class Objective:
     # -- before the first step, on every rank --------------------------------------------------
 
     def prepare(self, y: Any, sample_weight: Any, y_pred: Any, *, parts: int,
-                has_layer_losses: bool, scaled: bool, rank_tag: str) -> None:
+                has_layer_losses: bool, scaled: bool, rank_tag: str,
+                inputs: list[Any] | None = None) -> None:
         """Learns each term's kind by tracing the compiled loss on inputs shaped like the
         step's (``y_pred``: tensors shaped like the model's outputs, carrying their Keras masks),
         and refuses what a pipeline cannot honour, on every rank alike, before any message.
@@ -249,6 +263,15 @@ class Objective:
             StepError: a reduction of None, a scalar loss that is neither a sum nor a mean over
                 its rows, or a masked term that is not the step's only loss.
         """
+        if self.custom is not None:  # [Note: a model's own compute_loss]
+            self.terms, self.deferred = [Term((), "compute_loss", 1.0, None, SCALAR)], False
+            check = getattr(self.custom, "check_additive", None)
+            if has_layer_losses and check is not None:
+                check(inputs, y, y_pred, sample_weight, rank_tag=rank_tag)
+            if parts > 1:
+                self._scalar_rules(y, sample_weight, y_pred, rank_tag, inputs)
+            self.prepared = True
+            return
         if self.compile_loss is None:  # the layers' losses only: no terms
             self.terms, self.deferred, self.prepared = [], False, True
             return
@@ -293,7 +316,8 @@ class Objective:
                 f"pass the mask as sample_weight with reduction='sum_over_batch_size'.")
         self.prepared = True
 
-    def _scalar_rules(self, y: Any, sample_weight: Any, y_pred: Any, rank_tag: str) -> None:
+    def _scalar_rules(self, y: Any, sample_weight: Any, y_pred: Any, rank_tag: str,
+                      inputs: list[Any] | None = None) -> None:
         """Measures whether each loss that returns one value per call averages its rows or
         sums them ([Note: decomposable losses] in layer_losses.py)."""
         preds = tree.flatten(y_pred)
@@ -311,15 +335,27 @@ class Objective:
                     set_keras_mask(q, take(m))
                 parts.append(q)
             rec = self.call(tree.map_structure(take, y), tree.pack_sequence_as(y_pred, parts),
-                            None if sample_weight is None else tree.map_structure(take, sample_weight))
+                            None if sample_weight is None else tree.map_structure(take, sample_weight),
+                            None if inputs is None else [_take(rows)(v) for v in inputs])
             return [float(n) for n in rec.numerators]
 
-        n = int(np.shape(tree.flatten(y)[0])[0]) if tree.flatten(y) else 1
+        n = int(np.shape(preds[0])[0]) if preds else 1  # the rows (y may be None: a
+        # model's own compute_loss that needs no targets)
+        if self.custom is not None:  # its own errors (a value per sample, say) surface here
+            values(np.arange(3, dtype=np.int64) % max(n, 1))
         rules = layer_losses.classify(values, n)
         for j, t in enumerate(self.terms):
             if t.kind != SCALAR:
                 continue
             rule = rules[j] if rules is not None else None
+            if rule is None and self.custom is not None:
+                raise StepError(
+                    f"{rank_tag} A model's own compute_loss() runs once per microbatch, so "
+                    f"with several microbatches or replicas its value must be a sum or a mean "
+                    f"over the batch's samples (Keras's losses are means). Received: a "
+                    f"compute_loss whose value on a batch is neither (measured on 3 samples "
+                    f"and their parts). Use microbatches=1 with one replica, or return a mean "
+                    f"over the samples.")
             if rule is None:
                 raise StepError(
                     f"{rank_tag} A loss that returns one value per batch must be a sum or a "

@@ -349,7 +349,15 @@ class StageProgram:
         avoided = sum(_nbytes(self.trainable[i].shape, tf.as_dtype(self.trainable[i].dtype))
                       for i in self._deferred)
         trainable = sum(_nbytes(v.shape, tf.as_dtype(v.dtype)) for v in self.trainable)
-        if not late_weights_pay(per_mb * self._late_microbatches, avoided, trainable):
+        # the step's rows times the bytes a row holds: the same on every replica, whatever
+        # rows its own first microbatch has (a batch that splits unevenly over replicas gave
+        # them different decisions, so different accumulators, and their gradient reductions
+        # waited on each other for ever)
+        first = tf.TensorShape(self._late_specs[0][0]).as_list() if self._late_specs else []
+        rows_mb = float(first[0] or 0) if first else 0.0  # the rows the specs were made with
+        rows = float(consts[Consts.ROWS])
+        held = per_mb / rows_mb * rows if rows_mb > 0 else per_mb * self._late_microbatches
+        if not late_weights_pay(held, avoided, trainable):
             self.late = False
             if self.update is not None:  # it updates directly: no accumulators
                 return
@@ -568,12 +576,14 @@ class StageProgram:
         return (*split, rec.xs, _zeros_for_none(grads[k:], slots))  # type: ignore[union-attr]
 
     def _fused_fn(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], y: Any, sample_weight: Any,
-                  consts: tf.Tensor, first: bool, slots: list[tf.Tensor] | None = None) -> Any:
+                  consts: tf.Tensor, first: bool, slots: list[tf.Tensor] | None = None,
+                  model_inputs: list[tf.Tensor] | None = None) -> Any:
         with tf.GradientTape() as tape:
             tape.watch([recv[i] for i in self._diff_recv] + list(slots or []))
             with deferred.recording(slots, self._owns) if slots is not None else _nothing() as rec:
                 _, outputs, layer_loss = self._run(inputs, recv, True, consts)
-            terms = self.objective.call(y, self.traced.pack_outputs(outputs), sample_weight)  # type: ignore[union-attr]
+            terms = self.objective.call(y, self.traced.pack_outputs(outputs), sample_weight,  # type: ignore[union-attr]
+                                        model_inputs)
             total = self.objective.backprop(terms, consts) + layer_loss  # type: ignore[union-attr]
             scaled = total * consts[Consts.SCALE]
         grads = tape.gradient(scaled, self._sources(recv, slots),
@@ -882,15 +892,18 @@ class StageProgram:
         self._weight(work.xs, work.dys, extras, self.grads.take_fresh_w())
 
     def forward_backward_last(self, i: int, inputs: list[tf.Tensor], recv: list[tf.Tensor],
-                              y: Any, sample_weight: Any, consts: tf.Tensor
+                              y: Any, sample_weight: Any, consts: tf.Tensor,
+                              model_inputs: list[tf.Tensor] | None = None
                               ) -> tuple[tuple[tf.Tensor, tf.Tensor, tf.Tensor], list[tf.Tensor]]:
         """Last stage: forward, loss and backward in one call. Returns ((numerators,
-        normalizers, layer loss) of this microbatch, model outputs with their masks)."""
+        normalizers, layer loss) of this microbatch, model outputs with their masks).
+        ``model_inputs``: every model input of the microbatch, for a model's own compute_loss
+        ([Note: a model's own compute_loss] in tfsmp/keras/model_loss.py)."""
         if self.late and not self._late_decided:
             self._decide_late(inputs, recv, consts)
         slots = self._slots(inputs, recv, consts) if self._splitting(i) else None
         result = self._fused(inputs, recv, y, sample_weight, consts,
-                             self._take_first(slots is not None), slots)
+                             self._take_first(slots is not None), slots, model_inputs)
         record, outputs, masks, (recv_grads, sparse, extras, flag) = result[:4]
         self._keep_sparse(i, sparse, inputs, recv, consts)
         self._add_flag(i, flag)

@@ -516,6 +516,12 @@ def _functional_as(cls: type) -> keras.Model:
     return cls(x, L.Dense(3, name="out")(h))
 
 
+@feature("own_compute_loss", compile=_mse, data=_regression, cut="d0",
+         doc="`Trainer.compute_loss` docstring: a model that computes its own loss")
+def _own_compute_loss() -> keras.Model:
+    return _functional_as(OwnComputeLoss)
+
+
 def _squared_mean(y_true: Any, y_pred: Any) -> Any:
     return ops.square(ops.mean(y_pred - y_true))  # neither a sum nor a mean over the samples
 
@@ -556,7 +562,6 @@ def case_refusals(ctx: Any) -> dict[str, str]:
     return {
         "train_step": _refused(lambda: _functional_as(OwnTrainStep), _mse()),
         "test_step": _refused(lambda: _functional_as(OwnTestStep), _mse(), entry="evaluate"),
-        "compute_loss": _refused(lambda: _functional_as(OwnComputeLoss), _mse()),
         "reduction_none": _refused(_mlp, {"optimizer": _sgd(),
                                           "loss": keras.losses.MeanSquaredError(reduction=None)}),
         "scalar_neither": _refused(_mlp, {"optimizer": _sgd(), "loss": _squared_mean}),

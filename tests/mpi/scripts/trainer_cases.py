@@ -289,6 +289,172 @@ def case_recompile_replicas_m2(ctx: Any) -> dict[str, Any]:
             "replaced_freed": bool(current) and alive == current}
 
 
+class OwnLoss(keras.Model):  # type: ignore[misc]
+    """Keras's guide's pattern: compute_loss() calls super(), adds a term of its own that reads
+    ``x``, and updates a metric the model holds ([Note: a model's own compute_loss])."""
+
+    KIND = "additive"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.custom = keras.metrics.Mean(name="custom")
+
+    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None,
+                     sample_weight: Any = None, training: bool = True) -> Any:
+        if self.KIND == "ignores_losses":  # drops self.losses: refused, the model has some
+            return keras.ops.mean(keras.ops.square(y - y_pred))
+        if self.KIND == "peak":  # neither a sum nor a mean over the samples: refused
+            return keras.ops.max(keras.ops.square(y - y_pred)) + keras.ops.sum(self.losses)
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        loss = loss + 0.1 * keras.ops.mean(keras.ops.square(y_pred[:, :1] - x[:, :1]))
+        self.custom.update_state(loss * 4)
+        return loss
+
+
+def _own_loss_mlp(kind: str = "additive") -> keras.Model:
+    keras.utils.set_random_seed(3)
+    x = keras.Input((8,), name="x")
+    h = keras.layers.Dense(16, activation="tanh", name="d0")(x)
+    h = keras.layers.Dense(16, activation="tanh", activity_regularizer="l2", name="d1")(h)
+    out = keras.layers.Dense(3, name="out")(h)
+    model = OwnLoss(x, out)
+    model.KIND = kind
+    return model
+
+
+def _own_loss_run(model: Any, x: Any, y: Any, sw: Any) -> tuple[Any, ...]:
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    first = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    history = model.fit(x, y, sample_weight=sw, batch_size=BATCH, epochs=2, shuffle=False,
+                        verbose=0, validation_data=(x[:16], y[:16])).history
+    after = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    return first, history, after, list(model.get_weights())
+
+
+def _own_loss_compare(ctx: Any, partitions: int) -> dict[str, Any]:
+    x, y = _data()
+    sw = np.linspace(0.5, 1.5, len(x)).astype(np.float32)
+    want = _own_loss_run(_own_loss_mlp(), x, y, sw)
+    if partitions == 2:
+        dm = _pipelined(_own_loss_mlp, _m(ctx), x, ctx)
+    else:
+        reinit({"partitions": 1, "stall_timeout": 120}, microbatches=_m(ctx))
+        dm = tfsmp.DistributedModel(_own_loss_mlp())
+    got = _own_loss_run(dm, x, y, sw)
+    return {"evaluate_same": [_same_history(got[0], want[0]), _same_history(got[2], want[2])],
+            "history_same": _same_history(got[1], want[1]),
+            "weights_same": _same_weights(got[3], want[3]),
+            "keys": sorted(got[1]),
+            "custom_is_4x_loss": bool(np.allclose(got[2]["custom"], 4 * got[2]["loss"],
+                                                  rtol=1e-5)),
+            "detail": None if _same_history(got[1], want[1]) else [got[1], want[1]]}
+
+
+def case_own_compute_loss_m2(ctx: Any) -> dict[str, Any]:
+    """A model's own compute_loss() at partitions=2: History (its metric included), evaluate
+    and weights equal plain Keras's, with sample weights, validation and an activity
+    regularizer on the first stage."""
+    return _own_loss_compare(ctx, 2)
+
+
+def case_own_compute_loss_replicas_m2(ctx: Any) -> dict[str, Any]:
+    """The same at one stage with 2 data-parallel replicas (the value over every replica's
+    rows)."""
+    return _own_loss_compare(ctx, 1)
+
+
+def _distiller() -> keras.Model:
+    """Keras's knowledge distillation: a frozen teacher's logits and the labels train a
+    smaller student (its compute_loss runs the teacher on ``x``)."""
+    keras.utils.set_random_seed(5)
+
+    def mlp(width: int, name: str) -> keras.Model:
+        x = keras.Input((8,))
+        h = keras.layers.Dense(width, activation="relu", name=f"{name}_h0")(x)
+        h = keras.layers.Dense(width, activation="relu", name=f"{name}_h1")(h)
+        return keras.Model(x, keras.layers.Dense(3, name=f"{name}_out")(h), name=name)
+
+    return keras.distillation.Distiller(
+        teacher=mlp(32, "teacher"), student=mlp(16, "student"),
+        distillation_losses=keras.distillation.LogitsDistillation(temperature=2.0),
+        student_loss_weight=0.3)
+
+
+def case_distiller_m2(ctx: Any) -> dict[str, Any]:
+    """`keras.distillation.Distiller` around a student that METIS splits in two: History
+    (student, distillation and total losses), evaluate and the student's weights equal plain
+    Keras's; `DistributedModel.compile` compiles the Distiller its own way first."""
+    x, labels = _data(classes=True)
+
+    def run(model: Any) -> tuple[Any, ...]:
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(x, labels, batch_size=BATCH, epochs=2, shuffle=False,
+                            verbose=0).history
+        return history, model.evaluate(x, labels, batch_size=BATCH, verbose=0,
+                                       return_dict=True)
+
+    ref = _distiller()
+    want = run(ref)
+    reinit({"partitions": 2, "stall_timeout": 120}, microbatches=_m(ctx))
+    dm = tfsmp.DistributedModel(_distiller())
+    got = run(dm)
+    return {"history_same": _same_history(got[0], want[0]),
+            "evaluate_same": _same_history(got[1], want[1]),
+            "weights_same": _same_weights(dm.get_weights(), ref.get_weights()),
+            "keys": sorted(got[0]),
+            "detail": None if _same_history(got[0], want[0]) else [got[0], want[0]]}
+
+
+def case_uneven_replica_rows_m2(ctx: Any) -> dict[str, Any]:
+    """A first batch of 5 rows on 2 replicas of 2 microbatches: the replicas' first
+    microbatches have 2 and 1 rows, and each decided from its own whether its Dense layers take
+    their gradients at the step's end, so they kept different accumulators and their gradient
+    reductions waited on each other (a hang until stall_timeout). The decision now rests on the
+    step's rows, the same everywhere."""
+    rng = np.random.default_rng(0)
+    x = rng.random((21, 5)).astype(np.float32)
+    y = rng.integers(0, 10, (21,)).astype(np.int32)
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(1)
+        i = keras.Input((5,))
+        h = keras.layers.Dense(16, activation="relu", name="d0")(i)
+        return keras.Model(i, keras.layers.Dense(10, name="out")(h))
+
+    def run(model: Any) -> Any:
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0).history
+
+    ref = build()
+    want = run(ref)
+    reinit({"partitions": 1, "stall_timeout": 60}, microbatches=_m(ctx))
+    dm = tfsmp.DistributedModel(build())
+    got = run(dm)
+    return {"history_same": _same_history(got, want),
+            "weights_same": _same_weights(dm.get_weights(), ref.get_weights())}
+
+
+def case_own_compute_loss_refusals_m2(ctx: Any) -> dict[str, Any]:
+    """An override that drops self.losses while the model has some, or whose value is neither
+    a sum nor a mean over the samples, is refused before any update, on every rank."""
+    x, y = _data()
+    out: dict[str, Any] = {}
+    for kind in ("ignores_losses", "peak"):
+        dm = _pipelined(lambda kind=kind: _own_loss_mlp(kind), _m(ctx), x, ctx)
+        dm.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        dm.partition(x[:BATCH])
+        before = [np.array(w) for w in dm.get_weights()]
+        try:
+            dm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+            out[kind] = "trained"
+        except tfsmp.errors.StepError as e:
+            out[kind] = str(e).split("] ", 1)[-1][:90]
+        out[kind + "_unchanged"] = _same_weights(dm.get_weights(), before)
+    return out
+
+
 def case_save_keras_file_m2(ctx: Any) -> dict[str, Any]:
     """model.save('m.keras') keeps compile and optimizer state: plain Keras loads it and
     evaluates (and its optimizer has the trained steps), as from plain Keras's own file."""
