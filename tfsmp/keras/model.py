@@ -258,9 +258,15 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
                 metrics: Any = None, weighted_metrics: Any = None, **kwargs: Any) -> None:
         # a wrapped model whose class compiles its own way (Keras's Distiller keeps its student
-        # loss there, for its compute_loss) is compiled so first, as its user would compile it
+        # loss there, for its compute_loss) is compiled so first, as its user would compile it;
+        # unless it was compiled before it was wrapped (by its user, who compiles it again)
         wrapped = self.__dict__.get("_wrapped")
-        if wrapped is not None and type(wrapped).compile is not keras.Model.compile:
+        forward = self.__dict__.get("_tfsmp_compiles_wrapped")
+        if forward is None and wrapped is not None:
+            forward = self.__dict__["_tfsmp_compiles_wrapped"] = (
+                type(wrapped).compile is not keras.Model.compile
+                and not getattr(wrapped, "compiled", False))
+        if forward and wrapped is not None:
             extra = {k: v for k, v in (("loss_weights", loss_weights),
                                        ("weighted_metrics", weighted_metrics)) if v is not None}
             type(wrapped).compile(wrapped, optimizer=optimizer, loss=loss, metrics=metrics,
