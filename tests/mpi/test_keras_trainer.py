@@ -26,7 +26,8 @@ CASES = ["case_callbacks_m2", "case_shuffled_arrays_m2", "case_pydataset_shuffle
          "case_recompile_sequence_m2", "case_recompile_sequence_zb_m4",
          "case_recompile_replicas_m2", "case_own_compute_loss_m2",
          "case_own_compute_loss_replicas_m2", "case_own_compute_loss_refusals_m2",
-         "case_distiller_m2", "case_uneven_replica_rows_m2"]
+         "case_distiller_m2", "case_uneven_replica_rows_m2",
+         "case_own_compute_loss_two_losses_m1"]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,12 @@ def test_a_models_own_compute_loss_trains_as_keras(results: dict, case: str) -> 
 def test_replicas_with_uneven_rows_decide_alike_and_train_as_keras(results: dict) -> None:
     r = _both(results, "case_uneven_replica_rows_m2")
     assert r["history_same"] and r["weights_same"], r
+
+
+def test_compute_loss_giving_one_output_to_two_losses_trains_as_keras(results: dict) -> None:
+    r = _both(results, "case_own_compute_loss_two_losses_m1")
+    assert r["history_same"] and r["weights_same"], r
+    assert r["keys"] == ["binary_crossentropy_loss", "loss", "mean_squared_error_loss"]
 
 
 def test_keras_distiller_trains_as_keras(results: dict) -> None:

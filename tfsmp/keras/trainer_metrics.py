@@ -181,6 +181,10 @@ class TrainerMetrics:
         model = self.model
         variables, before = saved
         model_loss.restore(variables, before)
+        known = {id(v) for v in variables}
+        for metric in model.metrics:  # made during this step (its first): from their start
+            if any(id(v) not in known for v in metric.variables):
+                metric.reset_state()
         rows = mbatch.batch_size_of(x)
         outputs = replica_outputs(view, result)
         failed: Exception | None = None

@@ -265,6 +265,9 @@ class Objective:
         """
         if self.custom is not None:  # [Note: a model's own compute_loss]
             self.terms, self.deferred = [Term((), "compute_loss", 1.0, None, SCALAR)], False
+            # once, eagerly, on every rank: what its first call creates (a compiled loss's
+            # per-output means, its own metrics' variables) exists alike everywhere
+            self.call(y, y_pred, sample_weight, inputs)
             check = getattr(self.custom, "check_additive", None)
             if has_layer_losses and check is not None:
                 check(inputs, y, y_pred, sample_weight, rank_tag=rank_tag)

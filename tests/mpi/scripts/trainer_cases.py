@@ -436,6 +436,41 @@ def case_uneven_replica_rows_m2(ctx: Any) -> dict[str, Any]:
             "weights_same": _same_weights(dm.get_weights(), ref.get_weights())}
 
 
+class TwoLossesOfOne(keras.Model):  # type: ignore[misc]
+    """Keras's model_test: one output, which compute_loss gives to two compiled losses."""
+
+    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None,
+                     sample_weight: Any = None, **kwargs: Any) -> Any:
+        return super().compute_loss(x=x, y=y, y_pred=[y_pred, y_pred],
+                                    sample_weight=sample_weight, **kwargs)
+
+
+def case_own_compute_loss_two_losses_m1(ctx: Any) -> dict[str, Any]:
+    """At one microbatch (nothing measured before the first step) the compiled loss is first
+    called inside compute_loss, where it makes a Mean per loss: every rank makes them alike
+    before the step (the last stage's rank alone made them, and the metrics' state it sent
+    did not fit the other ranks')."""
+    rng = np.random.default_rng(0)
+    x = rng.random((16, 8)).astype(np.float32)
+    y = (rng.random((16, 1)).astype(np.float32), rng.integers(0, 2, (16, 1)).astype(np.float32))
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(2)
+        i = keras.Input((8,), name="x")
+        h = keras.layers.Dense(4, name="d0")(i)
+        return TwoLossesOfOne(i, keras.layers.Dense(1, activation="sigmoid", name="out")(h))
+
+    def run(model: Any) -> Any:
+        model.compile(optimizer="sgd", loss=["mean_squared_error", "binary_crossentropy"])
+        return model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+
+    want = run(ref := build())
+    dm = _pipelined(build, _m(ctx), x, ctx)
+    got = run(dm)
+    return {"history_same": _same_history(got, want), "keys": sorted(got),
+            "weights_same": _same_weights(dm.get_weights(), ref.get_weights())}
+
+
 def case_own_compute_loss_refusals_m2(ctx: Any) -> dict[str, Any]:
     """An override that drops self.losses while the model has some, or whose value is neither
     a sum nor a mean over the samples, is refused before any update, on every rank."""
