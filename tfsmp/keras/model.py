@@ -257,14 +257,19 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
 
     def compile(self, optimizer: Any = "rmsprop", loss: Any = None, loss_weights: Any = None,
                 metrics: Any = None, weighted_metrics: Any = None, **kwargs: Any) -> None:
-        # a wrapped model whose class compiles its own way (Keras's Distiller keeps its student
-        # loss there, for its compute_loss) is compiled so first, as its user would compile it;
-        # unless it was compiled before it was wrapped (by its user, who compiles it again)
+        # a wrapped model whose class computes its own loss from state its own compile keeps
+        # (Keras's Distiller: its student loss) is compiled that way first, as its user would
+        # compile it; unless it was compiled before it was wrapped (by its user, who compiles
+        # it again). Other models' own compiles (keras_hub's tasks) are not run: what they set
+        # on the wrapped model is not what the pipeline trains with.
         wrapped = self.__dict__.get("_wrapped")
         forward = self.__dict__.get("_tfsmp_compiles_wrapped")
         if forward is None and wrapped is not None:
+            from tfsmp.keras.model_loss import overridden_by
+
             forward = self.__dict__["_tfsmp_compiles_wrapped"] = (
                 type(wrapped).compile is not keras.Model.compile
+                and overridden_by(self) is wrapped
                 and not getattr(wrapped, "compiled", False))
         if forward and wrapped is not None:
             extra = {k: v for k, v in (("loss_weights", loss_weights),
@@ -686,13 +691,6 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         mine = {id(v) for v in self._view().held_variables().values()}
         return {i for i, v in enumerate(self._all_variables()) if id(v) in mine}
 
-    def _untraced(self) -> set[int]:
-        """The indices of weights no stage holds: the model holds them but its call never
-        reads them (a `Distiller`'s teacher, which its compute_loss runs). No rank releases
-        them, so every rank has them whole."""
-        known = {id(v) for v in self._view().variables.values()}
-        return {i for i, v in enumerate(self._all_variables()) if id(v) not in known}
-
     def model_weights(self) -> list[Any]:
         """Every weight of the whole model, in `get_weights`'s order (after partitioning this
         rank holds the values of those `held_weights` names only)."""
@@ -719,12 +717,13 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         variables = self._all_variables()
         if self._engine is None:
             return {i: variables[i].numpy() for i in sorted(indices)}
-        local = {i: variables[i].numpy() for i in self._owned() | self._untraced()
-                 if i in indices}
+        local = {i: variables[i].numpy() for i in self._owned() if i in indices}
         merged: dict[int, np.ndarray] = {}
         for part in self._view().groups.pipeline.allgather_obj(local):
             merged.update(part)
-        return merged
+        for i in sorted(indices - set(merged)):  # no stage holds it: the model holds it but
+            merged[i] = variables[i].numpy()      # its call never reads it (a Distiller's
+        return merged                             # teacher), and no rank released it
 
     @collective_label("DistributedModel.set_weights")
     def set_weights(self, weights: list[Any]) -> None:
@@ -737,7 +736,7 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
             raise ValueError(
                 f"set_weights needs one array per model weight. Received: {len(weights)} arrays "
                 f"for {len(variables)} weights.")
-        for i in sorted(self._owned() | self._untraced()):
+        for i in self._owned():
             if tuple(np.shape(weights[i])) != tuple(variables[i].shape):
                 raise ValueError(
                     f"Weight shapes must match. Received: shape {np.shape(weights[i])} for "

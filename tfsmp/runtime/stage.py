@@ -275,6 +275,7 @@ class StageProgram:
         # [Note: drain split]: microbatches whose backward an unsplit stage splits this step
         self.drain: frozenset[int] = frozenset()
         self._slot_cache: dict[tuple[Any, ...], list[tf.Tensor]] = {}
+        self._specs_by_key: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}  # `_late_specs`
         self._deferred_layers: list[Any] | None = None
         self._deferred_vars: list[int] = []  # trainable index of each deferred (variable, call)
         self._deferred: frozenset[int] = frozenset()
@@ -345,6 +346,7 @@ class StageProgram:
         variables' accumulators would."""
         self._late_decided = True
         self._slots(inputs, recv, consts)  # discovers the deferred calls ([Note: split backward])
+        self._late_specs = self._specs_by_key[_shape_key(inputs, recv)]
         per_mb = sum(_nbytes(shape, dtype) for shape, dtype in self._late_specs)
         avoided = sum(_nbytes(self.trainable[i].shape, tf.as_dtype(self.trainable[i].dtype))
                       for i in self._deferred)
@@ -353,8 +355,7 @@ class StageProgram:
         # rows its own first microbatch has (a batch that splits unevenly over replicas gave
         # them different decisions, so different accumulators, and their gradient reductions
         # waited on each other for ever)
-        first = tf.TensorShape(self._late_specs[0][0]).as_list() if self._late_specs else []
-        rows_mb = float(first[0] or 0) if first else 0.0  # the rows the specs were made with
+        rows_mb = float(consts[Consts.ROWS_MB])  # `_late_specs` are this microbatch's
         rows = float(consts[Consts.ROWS])
         held = per_mb / rows_mb * rows if rows_mb > 0 else per_mb * self._late_microbatches
         if not late_weights_pay(held, avoided, trainable):
@@ -652,15 +653,17 @@ class StageProgram:
     def _slots(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor
                ) -> list[tf.Tensor]:
         """Zero slots of this microbatch's input shapes ([Note: split backward])."""
-        key = tuple((tuple(t.shape), t.dtype) for t in (*inputs, *recv))
+        key = _shape_key(inputs, recv)
         slots = self._slot_cache.get(key)
         if slots is None:
             if len(self._slot_cache) >= 8:  # varying lengths: bound what is kept
                 self._slot_cache.clear()
+                self._specs_by_key.clear()
             deferred.install()
             rec = deferred.discover(lambda: self._run(inputs, recv, True, consts), self._owns)
             self._adopt(rec.layers)
-            self._late_specs = [(x.shape, x.dtype) for x in rec.xs] + list(
+            self._late_specs = self._specs_by_key[key] = [
+                (x.shape, x.dtype) for x in rec.xs] + list(
                 zip(rec.shapes, rec.dtypes))  # each call's input and pre-activation
             slots = self._slot_cache[key] = [tf.zeros(s, d) for s, d in zip(rec.shapes, rec.dtypes)]
         return slots
@@ -974,6 +977,11 @@ def _replays(calls: list[Any]) -> bool:
               for sub in c.layer._flatten_layers(include_self=True)]
     return (any(deferred.replayable(x) for x in layers)
             and not any(isinstance(x, costly) for x in layers))
+
+
+def _shape_key(inputs: list[tf.Tensor], recv: list[tf.Tensor]) -> tuple[Any, ...]:
+    """A microbatch's input shapes and dtypes (the key of a stage's per-shape caches)."""
+    return tuple((tuple(t.shape), t.dtype) for t in (*inputs, *recv))
 
 
 def _nbytes(shape: Any, dtype: Any) -> int:
