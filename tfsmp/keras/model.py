@@ -492,7 +492,6 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
         if loss:
             self._check_compiled()
         check_overrides(self, entry, rank_tag=self._rank_tag())
-        self._attach_model_loss()
         if train:
             config, data = self._state.config, self._state.comm.data.size
             check_trainable(self, pipeline_ranks=config.partitions,

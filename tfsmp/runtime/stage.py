@@ -274,8 +274,9 @@ class StageProgram:
         self._weight_work: dict[int, _WeightWork] = {}
         # [Note: drain split]: microbatches whose backward an unsplit stage splits this step
         self.drain: frozenset[int] = frozenset()
-        self._slot_cache: dict[tuple[Any, ...], list[tf.Tensor]] = {}
-        self._specs_by_key: dict[tuple[Any, ...], list[tuple[Any, Any]]] = {}  # `_late_specs`
+        # per input shape: the split backward's zero slots, and each deferred call's input and
+        # pre-activation (shape, dtype), what weights at the step's end would keep per microbatch
+        self._slot_cache: dict[tuple[Any, ...], tuple[list[tf.Tensor], list[tuple[Any, Any]]]] = {}
         self._deferred_layers: list[Any] | None = None
         self._deferred_vars: list[int] = []  # trainable index of each deferred (variable, call)
         self._deferred: frozenset[int] = frozenset()
@@ -291,7 +292,6 @@ class StageProgram:
         self._late_fn: Any = None
         self._late_owner: DirectUpdate | None = None
         self._late_mine: tuple[int, ...] = ()  # the trainable variables the late update takes
-        self._late_specs: list[tuple[Any, Any]] = []
         self._traced_generation = self._store.generation  # [Note: traced accumulators]
 
     @property
@@ -345,9 +345,9 @@ class StageProgram:
         then whether keeping their inputs and gradients for a step holds less than their
         variables' accumulators would."""
         self._late_decided = True
-        self._slots(inputs, recv, consts)  # discovers the deferred calls ([Note: split backward])
-        self._late_specs = self._specs_by_key[_shape_key(inputs, recv)]
-        per_mb = sum(_nbytes(shape, dtype) for shape, dtype in self._late_specs)
+        # discovers the deferred calls ([Note: split backward]) and this microbatch's specs
+        specs = self._discovered(inputs, recv, consts)[1]
+        per_mb = sum(_nbytes(shape, dtype) for shape, dtype in specs)
         avoided = sum(_nbytes(self.trainable[i].shape, tf.as_dtype(self.trainable[i].dtype))
                       for i in self._deferred)
         trainable = sum(_nbytes(v.shape, tf.as_dtype(v.dtype)) for v in self.trainable)
@@ -355,7 +355,7 @@ class StageProgram:
         # rows its own first microbatch has (a batch that splits unevenly over replicas gave
         # them different decisions, so different accumulators, and their gradient reductions
         # waited on each other for ever)
-        rows_mb = float(consts[Consts.ROWS_MB])  # `_late_specs` are this microbatch's
+        rows_mb = float(consts[Consts.ROWS_MB])  # the rows ``specs`` were made with
         rows = float(consts[Consts.ROWS])
         held = per_mb / rows_mb * rows if rows_mb > 0 else per_mb * self._late_microbatches
         if not late_weights_pay(held, avoided, trainable):
@@ -653,20 +653,23 @@ class StageProgram:
     def _slots(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor
                ) -> list[tf.Tensor]:
         """Zero slots of this microbatch's input shapes ([Note: split backward])."""
+        return self._discovered(inputs, recv, consts)[0]
+
+    def _discovered(self, inputs: list[tf.Tensor], recv: list[tf.Tensor], consts: tf.Tensor
+                    ) -> tuple[list[tf.Tensor], list[tuple[Any, Any]]]:
+        """`_slot_cache`'s entry for this microbatch's input shapes, made at the first."""
         key = _shape_key(inputs, recv)
-        slots = self._slot_cache.get(key)
-        if slots is None:
+        found = self._slot_cache.get(key)
+        if found is None:
             if len(self._slot_cache) >= 8:  # varying lengths: bound what is kept
                 self._slot_cache.clear()
-                self._specs_by_key.clear()
             deferred.install()
             rec = deferred.discover(lambda: self._run(inputs, recv, True, consts), self._owns)
             self._adopt(rec.layers)
-            self._late_specs = self._specs_by_key[key] = [
-                (x.shape, x.dtype) for x in rec.xs] + list(
-                zip(rec.shapes, rec.dtypes))  # each call's input and pre-activation
-            slots = self._slot_cache[key] = [tf.zeros(s, d) for s, d in zip(rec.shapes, rec.dtypes)]
-        return slots
+            specs = [(x.shape, x.dtype) for x in rec.xs] + list(zip(rec.shapes, rec.dtypes))
+            found = self._slot_cache[key] = (
+                [tf.zeros(s, d) for s, d in zip(rec.shapes, rec.dtypes)], specs)
+        return found
 
     def _owns(self, layer: Any) -> bool:
         """Whether this stage trains the layer's kernel and bias (a layer whose weights live
