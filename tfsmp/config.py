@@ -76,6 +76,7 @@ class Config:
     contiguous: bool = True
     horovod: bool = False
     xla: bool = False
+    blas: str = "tensorflow"
     active_microbatches: int | None = None
     memory_weight: float | None = None
     virtual_stages: int = 1
@@ -296,6 +297,13 @@ _PARAMS: list[Param] = [
     Param("xla", "bool", False, "True, False", sdk=True, check=_bool, help=(
         "Compile the stage programs with XLA (tf.function(jit_compile=True)); Keras's "
         "compile(jit_compile=True) asks for the same. Undocumented in SMP.")),
+    Param("blas", "str", "tensorflow", "tensorflow, openblas", sdk=False,
+          choices=("tensorflow", "openblas"), check=_choice("tensorflow", "openblas"), help=(
+              "Kernel of the stage programs' float32 matrix products (MatMul: Dense layers and "
+              "their gradients). tensorflow: TensorFlow's own. openblas: OpenBLAS's sgemm (the "
+              "`blas` extra), built once per machine into a TensorFlow kernel with the "
+              "machine's C++ compiler; on CPUs where TensorFlow's kernel is slow at a "
+              "microbatch's rows it is up to twice as fast. Not with xla. Not in SMP.")),
     Param("active_microbatches", "int or None", None, ">= 1", sdk=True,
           check=_optional(_positive_int), help=(
               "Cap on microbatches in flight per rank, which bounds stashed activations. None: the "
@@ -385,6 +393,11 @@ def _check_relations(cfg: Config) -> None:
             "default_partition must be less than the number of partitions! Received: "
             f"default_partition={cfg.default_partition}, partitions={cfg.partitions}. Partitions "
             f"are numbered 0..{cfg.partitions - 1}.")
+    if cfg.blas == "openblas" and cfg.xla:
+        raise ConfigError(
+            "blas='openblas' chooses the kernel of TensorFlow's MatMul, and xla=True compiles "
+            "the stage programs' products with XLA's own. Received: blas='openblas', xla=True. "
+            "Set one of them: xla=False, or blas='tensorflow'.")
     record = _pipeline(cfg.pipeline)
     need = record.chunks
     if need is not None and need > 1 and cfg.virtual_stages not in (1, need):

@@ -7,7 +7,8 @@ whose sparse gradients go through Adam. Stages p âˆˆ {1, 2, 4}, microbatches m â
 every pipeline (simple, interleaved, zb-h1, zb-v, looped-bfs), both `optimize` modes, 1 or 2 virtual
 stages per rank, data-parallel degree
 1, 2 and 4 (MPI and Horovod), and stage programs compiled with XLA (the `xla` parameter or
-`compile(jit_compile=True)`, against plain Keras compiled with `jit_compile=True`).
+`compile(jit_compile=True)`, against plain Keras compiled with `jit_compile=True`), and
+products run by tfsmp's OpenBLAS kernel (`blas='openblas'`, against plain Keras's own kernel).
 Tolerance: rtol 1e-5, atol 1e-6 (float32).
 """
 
@@ -48,7 +49,13 @@ TWO_RANKS = with_full([
     # XLA ([Note: jit_compile is xla] in tfsmp/keras/model.py): Dropout's masks are XLA's
     "mlp:2:8:interleaved:speed:jit", "drop:2:1:interleaved:speed:jit",
     "rescnn:2:4:interleaved:speed:v2,xla", "mlp:2:8:zb-h1:memory:adam,xla",
+    # blas='openblas' ([Note: OpenBLAS products] in tfsmp/runtime/kernels): the products run
+    # tfsmp's OpenBLAS kernel, in every program kind (fused, split B/W, p = 1's one call)
+    "mlp:2:8:interleaved:speed:blas", "transformer:2:4:zb-h1:speed:blas",
+    "mlp:1:1:interleaved:speed:blas",
 ], [
+    "rescnn:2:4:simple:memory:blas", "embed:2:4:interleaved:speed:adam,blas",
+    "multiio:2:4:zb-v:memory:blas",
     "transformer:2:4:zb-v:speed:xla", "embed:2:4:interleaved:speed:adam,jit",
     "bn:2:1:simple:memory:xla",
     "rescnn:2:8:simple:memory", "multiio:2:2:simple:speed", "shared:2:1:simple:speed",

@@ -85,6 +85,8 @@ BAD: list[tuple[Any, str]] = [
     ({"horovod": 1}, "horovod must be a value in: [True, False]. Received: horovod=1. Fix: pass True or False; tfsmp does not read 0/1"),
     ({"contiguous": None}, "contiguous must be a value in: [True, False]. Received: contiguous=None."),
     ({"xla": "False"}, "xla must be a value in: [True, False]. Received: xla='False'."),
+    ({"blas": "mkl"}, "blas must be a value in: ['tensorflow', 'openblas']. Received: blas='mkl'."),
+    ({"blas": "openblas", "xla": True}, "blas='openblas' chooses the kernel of TensorFlow's MatMul, and xla=True compiles the stage programs' products with XLA's own. Received: blas='openblas', xla=True. Set one of them: xla=False, or blas='tensorflow'."),
     ({"auto_partition": False}, "default_partition must be supplied if auto_partition is set to False! Received: auto_partition=False, default_partition=None."),
     ({"partitions": 2, "default_partition": 2}, "default_partition must be less than the number of partitions! Received: default_partition=2, partitions=2. Partitions are numbered 0..1."),
     ({"default_partition": -1}, "default_partition must be a non-negative integer (a partition index) or None. Received: default_partition=-1."),

@@ -41,7 +41,7 @@ import tensorflow as tf
 from keras.src.trainers.trainer import Trainer
 
 from tfsmp.comm import collective_label
-from tfsmp.errors import StepError
+from tfsmp.errors import ConfigError, StepError
 from tfsmp.keras.data import agree_shuffle_seed, sampler
 from tfsmp.keras.log_writers import plan_callbacks, writer_guards
 from tfsmp.keras.overrides import check_overrides, check_trainable
@@ -321,7 +321,14 @@ class DistributedModel(keras.Model):  # type: ignore[misc]
     def _xla(self) -> bool:
         """Whether the stage programs compile with XLA: the `xla` parameter, or Keras's
         ``compile(jit_compile=True)`` ([Note: jit_compile is xla])."""
-        return bool(self.jit_compile) or bool(self.runtime_state().config.xla)
+        config = self.runtime_state().config
+        if self.jit_compile is True and config.blas == "openblas":
+            raise ConfigError(
+                "compile(jit_compile=True) compiles the stage programs' products with XLA's "
+                "own, and blas='openblas' chooses the kernel of TensorFlow's MatMul. Received: "
+                "jit_compile=True, blas='openblas'. Use one of them: compile(jit_compile=False), "
+                "or blas='tensorflow'.")
+        return bool(self.jit_compile) or bool(config.xla)
 
     def _refresh_engine(self) -> bool:
         """New stage programs if the trainable flags changed ([Note: changing the model]) or

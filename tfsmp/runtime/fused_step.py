@@ -45,6 +45,7 @@ import tensorflow as tf
 from keras.src.backend import get_keras_mask, set_keras_mask
 
 from tfsmp.errors import StepError
+from tfsmp.runtime import kernels
 from tfsmp.runtime.executor import MicroBatch, StepResult
 from tfsmp.runtime.fused_updates import fused_updates
 from tfsmp.runtime.memory import DirectUpdate
@@ -79,8 +80,8 @@ class OneCallStep:
         self.objective = objective
         self.rank_tag = rank_tag
         self.direct = direct
-        self._fn = tf.function(self._step_fn, reduce_retracing=relax_shapes)
-        self._fn_direct = tf.function(self._direct_step_fn, reduce_retracing=relax_shapes)
+        self._fn = kernels.program(self._step_fn, reduce_retracing=relax_shapes)
+        self._fn_direct = kernels.program(self._direct_step_fn, reduce_retracing=relax_shapes)
 
     def _forward(self, inputs: list[tf.Tensor]) -> list[tf.Tensor]:
         prog = self.program

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from tfsmp import errors
 from tfsmp.errors import PartitionError, StepError, TfsmpError
 from tfsmp.partitioning.plan import StagePlan
+from tfsmp.runtime import kernels
 from tfsmp.runtime.engine import Engine
 from tfsmp.runtime.objective import Objective
 from tfsmp.schedule.lowering import Lowered
@@ -196,6 +197,7 @@ def build_engine(model: Any, sample_x: Any, state: Any, *, compile_loss: Any, op
     from tfsmp.graph.tracer import trace
 
     config = state.config
+    kernels.use(config.blas)  # [Note: OpenBLAS products]: built and loaded before any trace
     with recording() as placed:
         traced = trace(model, sample_input=sample_x)
     manual = assignment(traced, placed) if not config.auto_partition else None

@@ -118,7 +118,7 @@ from keras.src.backend import get_keras_mask, set_keras_mask
 from tfsmp.errors import StepError
 from tfsmp.partitioning.memory import late_weights_pay
 from tfsmp.partitioning.plan import Boundary, StagePlan
-from tfsmp.runtime import deferred
+from tfsmp.runtime import deferred, kernels
 from tfsmp.runtime import layer_losses as ll
 from tfsmp.runtime.gradients import CONCAT, SUM, GradientStore, all_finite
 from tfsmp.runtime.hooks import StageResult, StepMode
@@ -254,7 +254,9 @@ class StageProgram:
         # dimensions relaxed to None, at the second; every later shape, new or seen, reuses a
         # trace (what Keras's own train function does). Static models keep exact-shape traces.
         def compile_fn(f: Callable[..., Any]) -> Any:
-            return tf.function(f, jit_compile=jit_compile or None, reduce_retracing=relax_shapes)
+            # [Note: OpenBLAS products] in tfsmp/runtime/kernels: labelled with blas='openblas'
+            return kernels.program(f, jit_compile=jit_compile or None,
+                                   reduce_retracing=relax_shapes)
 
         self._compile_fn = compile_fn
         self._fwd = compile_fn(self._forward_fn)
@@ -390,7 +392,7 @@ class StageProgram:
         if not mine:
             return True
         if self._late_fn is None or self._late_owner is not update or self._late_mine != mine:
-            self._late_fn = tf.function(self._late_update_fn, reduce_retracing=True)
+            self._late_fn = kernels.program(self._late_update_fn, reduce_retracing=True)
             self._late_owner, self._late_mine = update, mine
         return bool(self._late_fn(xs, dys, extras, sparse, tf.constant(factor, tf.float32)))
 

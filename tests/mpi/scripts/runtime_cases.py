@@ -7,7 +7,8 @@ A CASE is ``model:partitions:microbatches:pipeline:optimize[:flag,flag]``, e.g.
 stages per rank), ``shard`` (``shard_optimizer_state``), ``clip`` (``global_clipnorm``), ``xla``
 (the ``xla`` parameter: stage programs compiled with XLA), ``jit`` (the same asked by
 ``compile(jit_compile=True)``); with either, the reference is plain Keras compiled with
-``jit_compile=True``. Pipelines: ``simple``, ``interleaved``, and the zero-bubble ``zb-h1`` and
+``jit_compile=True``; ``blas`` (the ``blas='openblas'`` parameter: the stage programs' products
+run tfsmp's OpenBLAS kernel, checked by its rounding, tfsmp/runtime/kernels). Pipelines: ``simple``, ``interleaved``, and the zero-bubble ``zb-h1`` and
 ``zb-v`` (2 chunks per rank in a V).
 Every rank prints one JSON line per case: {"case", "rank", "ok", "losses", "ref_losses",
 "max_weight_err", "held_bytes", "plan_bytes", "error"}.
@@ -31,6 +32,7 @@ import tensorflow as tf
 
 import tfsmp
 from tfsmp.keras.porting import rank_variables  # what this rank holds
+from tfsmp.runtime import kernels
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS, BATCH = 3, 16
@@ -197,7 +199,8 @@ def run_case(spec: str) -> dict[str, object]:
         tfsmp.shutdown()
     tfsmp.init({"partitions": p, "microbatches": m, "pipeline": pipeline, "optimize": optimize,
                 "horovod": horovod, "virtual_stages": virtual,
-                "shard_optimizer_state": "shard" in flags, "xla": "xla" in flags})
+                "shard_optimizer_state": "shard" in flags, "xla": "xla" in flags,
+                "blas": "openblas" if "blas" in flags else "tensorflow"})
     x, y = data(name, STEPS * BATCH)
     ref = build(name)
     init = ref.get_weights()
@@ -222,6 +225,10 @@ def run_case(spec: str) -> dict[str, object]:
     compiled = {bool(p._fwd._jit_compile) for p in engine.programs.values()}
     if compiled != {jit}:
         raise AssertionError(f"stage programs with jit_compile {compiled}, expected {jit}")
+    blas = {isinstance(p._fwd, kernels.OpenBlasProgram) for p in engine.programs.values()}
+    if blas != {"blas" in flags}:
+        raise AssertionError(f"stage programs with the OpenBLAS kernel {blas}, expected "
+                             f"{'blas' in flags}")
     model_weights = {id(v) for v in dm._all_variables()}  # not seed-generator state
     plan_bytes = sum(
         int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize

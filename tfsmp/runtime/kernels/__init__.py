@@ -1,0 +1,240 @@
+"""tfsmp's own TensorFlow kernels: OpenBLAS matrix products for the stage programs.
+
+[Note: OpenBLAS products]
+TensorFlow's CPU kernel for ``MatMul`` (Eigen's contraction, or oneDNN's where TensorFlow turns
+it on) runs a pipeline microbatch's products far below the CPU's speed on some hosts: on the AMD
+EPYC hosts of these machines, one thread, 256 rows by a 1024 x 1024 kernel, ``x @ W`` at about
+44 GFLOP/s and ``dY @ W^T`` at about 31, where OpenBLAS's ``sgemm`` (and torch's MKL) run at
+80-90 (docs/performance.md, "The peer"). The ``blas`` parameter picks the kernel:
+
+- ``"tensorflow"`` (the default): TensorFlow's own; nothing here runs.
+- ``"openblas"``: `load` builds ``openblas_matmul.cc`` once per machine into a TensorFlow op
+  library (the machine's C++ compiler, TensorFlow's headers, the scipy-openblas32 wheel's
+  OpenBLAS; cached under ``TFSMP_KERNEL_DIR``, default ``~/.cache/tfsmp/kernels``, keyed by
+  everything the build reads) and loads it. It registers a second CPU kernel for ``MatMul``
+  under the kernel label `LABEL`, so only nodes that carry the label run it.
+  `program` then makes each stage program a `tf.function` whose body is traced under
+  ``{"MatMul": LABEL}`` (the forward's products and the gradients' alike, since the backward is
+  traced in the same graph) and whose calls run with Grappler's remapper off: the remapper
+  would otherwise fuse a product with its bias and activation into TensorFlow's
+  ``_FusedMatMul``, which drops the label. Only these programs are affected: the option is the
+  call's own (a thread-local `FunctionCallOptions`), not the process's.
+
+What it does not cover: products outside the stage programs (the taped fallback's backward,
+which TensorFlow traces apart, and user code), ``BatchMatMul``/``Einsum`` (attention), and XLA,
+which compiles its own products: ``blas='openblas'`` with ``xla=True`` (or Keras's
+``jit_compile=True``) is refused. Results differ from TensorFlow's kernel by float32 rounding
+(another summation order), as TensorFlow's kernels differ from one another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tfsmp.errors import ConfigError
+
+LABEL = "tfsmp_openblas"
+SOURCE = Path(__file__).with_name("openblas_matmul.cc")
+LIBRARY = "tfsmp_openblas_matmul.so"
+
+class _State:
+    active = False
+    path: Path | None = None
+
+
+_state = _State()
+
+
+def active() -> bool:
+    """Whether this process loaded the kernel and labels its stage programs' products."""
+    return _state.active
+
+
+def library_path() -> Path | None:
+    """The loaded library, or None."""
+    return _state.path
+
+
+def kernel_dir() -> Path:
+    """Where built libraries are kept (``TFSMP_KERNEL_DIR``, else ``~/.cache/tfsmp/kernels``)."""
+    env = os.environ.get("TFSMP_KERNEL_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "tfsmp" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return str(shutil.which(name))
+    return None
+
+
+def _openblas() -> tuple[str, str, str]:
+    """(include dir, lib dir, version) of the scipy-openblas32 wheel."""
+    if importlib.util.find_spec("scipy_openblas32") is None:
+        raise ConfigError(
+            "blas='openblas' needs OpenBLAS from the scipy-openblas32 package, which is not "
+            "installed. Received: blas='openblas'. Fix: pip install 'tfsmp[blas]' (or pip "
+            "install scipy-openblas32), or leave blas='tensorflow'.")
+    import scipy_openblas32 as ob
+
+    version = getattr(ob, "__version__", "") or ob.get_openblas_config()
+    return ob.get_include_dir(), ob.get_lib_dir(), str(version)
+
+
+def build_command(output: Path) -> list[str]:
+    """The compiler command that builds the library into ``output``."""
+    import tensorflow as tf
+
+    cxx = _compiler()
+    if cxx is None:
+        raise ConfigError(
+            "blas='openblas' builds its TensorFlow kernel once per machine with a C++ compiler, "
+            "and none was found (CXX, g++, c++, clang++). Received: blas='openblas'. Fix: "
+            "install one (apt-get install g++), or leave blas='tensorflow'.")
+    include, lib, _ = _openblas()
+    return [cxx, "-std=c++17", "-shared", "-fPIC", "-O2", "-w", str(SOURCE), "-o", str(output),
+            *tf.sysconfig.get_compile_flags(), f"-I{include}", *tf.sysconfig.get_link_flags(),
+            f"-L{lib}", "-lscipy_openblas", f"-Wl,-rpath,{lib}"]
+
+
+def _key() -> str:
+    """Everything the build reads: the source, TensorFlow's version and flags, OpenBLAS's
+    version and place, the compiler."""
+    import tensorflow as tf
+
+    include, lib, version = _openblas()
+    parts = [SOURCE.read_text(), tf.__version__, " ".join(tf.sysconfig.get_compile_flags()),
+             " ".join(tf.sysconfig.get_link_flags()), include, lib, version, _compiler() or "",
+             sys.version]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (the ranks of a job build once, the others wait)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build() -> Path:
+    """The library for this machine, built first if no build with the same inputs is kept."""
+    target = kernel_dir() / _key() / LIBRARY
+    if target.exists():
+        return target
+    with _locked(target.parent.with_suffix(".lock")):
+        if target.exists():  # another rank built it while this one waited
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = build_command(Path(scratch))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            Path(scratch).unlink(missing_ok=True)
+            tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+            raise ConfigError(
+                "blas='openblas' could not build its TensorFlow kernel. Received: exit status "
+                f"{done.returncode} from {' '.join(cmd[:2])} ...:\n{tail}\nFix: check the "
+                "compiler and TensorFlow's headers (tf.sysconfig.get_include()), or leave "
+                "blas='tensorflow'.")
+        os.replace(scratch, target)
+    return target
+
+
+def load() -> Path:
+    """Builds (once per machine) and loads the kernel; from now on `program` labels products."""
+    if _state.path is not None:
+        _state.active = True
+        return _state.path
+    import tensorflow as tf
+
+    path = build()
+    tf.load_op_library(str(path))
+    _state.path, _state.active = path, True
+    return path
+
+
+def use(blas: str) -> None:
+    """Follow the `blas` parameter: load the kernel for "openblas"; "tensorflow" labels nothing
+    from now on (programs already made keep what they were made with)."""
+    if blas == "openblas":
+        load()
+    else:
+        _state.active = False
+
+
+@contextlib.contextmanager
+def labels() -> Iterator[None]:
+    """Inside a graph being traced: its ``MatMul`` nodes made here run the OpenBLAS kernel."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    with graph._kernel_label_map({"MatMul": LABEL}):  # noqa: SLF001 (TensorFlow's label map)
+        yield
+
+
+def _call_options() -> Any:
+    """The eager context's call options with Grappler's remapper off."""
+    from tensorflow.core.protobuf import rewriter_config_pb2
+    from tensorflow.python.eager import context
+
+    config = context.context().config  # a copy
+    config.graph_options.rewrite_options.remapping = rewriter_config_pb2.RewriterConfig.OFF
+    return context.FunctionCallOptions(config_proto=config)
+
+
+class OpenBlasProgram:
+    """A `tf.function` traced under `labels` whose calls run with the remapper off; anything
+    else (``get_concrete_function``, ...) is the function's own."""
+
+    def __init__(self, fn: Any) -> None:
+        from tensorflow.python.eager import context
+
+        self._fn = fn
+        self._options = _call_options()
+        self._context = context.context()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = self._context
+        saved = ctx.function_call_options
+        ctx.function_call_options = self._options
+        try:
+            return self._fn(*args, **kwargs)
+        finally:
+            ctx.function_call_options = saved
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fn, name)
+
+
+def program(f: Callable[..., Any], **options: Any) -> Any:
+    """``tf.function(f, **options)``; with the kernel active, an `OpenBlasProgram` of it."""
+    import tensorflow as tf
+
+    if not active() or options.get("jit_compile"):
+        return tf.function(f, **options)
+
+    @functools.wraps(f)
+    def labelled(*args: Any, **kwargs: Any) -> Any:
+        with labels():
+            return f(*args, **kwargs)
+
+    return OpenBlasProgram(tf.function(labelled, **options))
