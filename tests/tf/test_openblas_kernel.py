@@ -220,3 +220,48 @@ def test_jit_compile_with_the_kernel_is_refused_before_any_update() -> None:
     finally:
         smp.shutdown()
         kernels.use("openblas")
+
+
+def test_products_go_straight_into_their_accumulators() -> None:
+    """[Note: products into accumulators]: the step's first microbatch assigns its product
+    (no copy), a later one adds it; a value read before the update keeps what it read."""
+    from tfsmp.runtime.stage import _accumulate_into
+
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((64, 96)).astype(np.float32) for _ in range(2)]
+    dys = [rng.standard_normal((64, 48)).astype(np.float32) for _ in range(2)]
+    acc = tf.Variable(tf.fill((96, 48), 7.0))
+
+    def step(x: tf.Tensor, dy: tf.Tensor, first: bool) -> tf.Tensor:
+        w = tf.zeros((96, 48))
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            out = tf.matmul(x, w)
+        g = tape.gradient(out, w, output_gradients=dy)  # the tape's x^T dy
+        return _accumulate_into(acc, g, first)
+
+    first, later = kernels.program(lambda x, dy: step(x, dy, True)), kernels.program(
+        lambda x, dy: step(x, dy, False))
+    first(tf.constant(xs[0]), tf.constant(dys[0]))
+    ops = [o.type for o in first.get_concrete_function(tf.constant(xs[0]), tf.constant(dys[0]))
+           .graph.get_operations()]
+    assert "TfsmpMatMulAccumulate" in ops
+    assert "AssignVariableOp" not in ops and "AssignAddVariableOp" not in ops
+    p0, p1 = _sgemm(xs[0], dys[0], ta=True), _sgemm(xs[1], dys[1], ta=True)
+    assert np.array_equal(acc.numpy(), p0)  # assigned: the 7s are gone
+    held = acc.value()  # shares the variable's buffer until the next update
+    later(tf.constant(xs[1]), tf.constant(dys[1]))
+    assert np.array_equal(held.numpy(), p0)  # copy on write
+    assert np.array_equal(acc.numpy(), p0 + p1)  # one block of the inner dimension: p0 + p1
+
+
+def test_other_gradients_accumulate_as_before() -> None:
+    from tfsmp.runtime.stage import _accumulate_into
+
+    acc = tf.Variable(tf.ones((3,)))
+    kernels.program(lambda: _accumulate_into(acc, tf.constant([1.0, 2.0, 3.0]), False))()
+    np.testing.assert_array_equal(acc.numpy(), [2.0, 3.0, 4.0])
+    plain = tf.Variable(tf.ones((2, 2)))  # a product of an unlabelled graph
+    tf.function(lambda: _accumulate_into(plain, tf.matmul(tf.ones((2, 2)), tf.ones((2, 2))),
+                                         False))()
+    np.testing.assert_array_equal(plain.numpy(), np.full((2, 2), 3.0))

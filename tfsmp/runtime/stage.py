@@ -160,6 +160,9 @@ def _accumulate_into(acc: tf.Variable, g: tf.Tensor, first: bool) -> tf.Tensor:
     """``acc = g`` for the step's first microbatch, else ``acc += g`` ([Note: fresh
     accumulators] in gradients.py); returns the accumulator's new value, whose finiteness
     `all_finite` checks with the others' ([Note: finite flags])."""
+    fused = kernels.accumulate(acc, g, assign=first)  # [Note: products into accumulators]
+    if fused is not None:
+        return fused
     if first:
         return acc.assign(tf.cast(g, acc.dtype))
     return acc.assign_add(tf.cast(g, acc.dtype))

@@ -20,6 +20,18 @@ EPYC hosts of these machines, one thread, 256 rows by a 1024 x 1024 kernel, ``x 
   ``_FusedMatMul``, which drops the label. Only these programs are affected: the option is the
   call's own (a thread-local `FunctionCallOptions`), not the process's.
 
+[Note: products into accumulators]
+A stage adds each microbatch's weight gradients into accumulators (`acc.assign_add(g)`, or
+`acc.assign(g)` for the step's first). Where ``g`` is a labelled product, `accumulate` replaces
+the pair with ``TfsmpMatMulAccumulate``: sgemm writes the product into the variable's buffer
+with beta = 1 (add) or 0 (assign). The product's own 4 MB (a 1024 x 1024 kernel) is never
+allocated, the add's pass over three such buffers is gone, and the step's first microbatch's
+gradients are taken without a copy. The product node is left without consumers and pruned. A
+buffer that a read of the variable still holds is copied first, as TensorFlow's own updates do.
+The sum is the same sum; OpenBLAS adds the product into the accumulator block by block of the
+inner dimension, so at more than one block (rows beyond a few hundred per microbatch) the
+rounding differs from adding the finished product.
+
 What it does not cover: products outside the stage programs (the taped fallback's backward,
 which TensorFlow traces apart, and user code), ``BatchMatMul``/``Einsum`` (attention), and XLA,
 which compiles its own products: ``blas='openblas'`` with ``xla=True`` (or Keras's
@@ -51,6 +63,7 @@ LIBRARY = "tfsmp_openblas_matmul.so"
 class _State:
     active = False
     path: Path | None = None
+    ops: Any = None  # the loaded library's op wrappers (tfsmp_mat_mul_accumulate)
 
 
 _state = _State()
@@ -167,7 +180,7 @@ def load() -> Path:
     import tensorflow as tf
 
     path = build()
-    tf.load_op_library(str(path))
+    _state.ops = tf.load_op_library(str(path))
     _state.path, _state.active = path, True
     return path
 
@@ -189,6 +202,29 @@ def labels() -> Iterator[None]:
     graph = tf.compat.v1.get_default_graph()
     with graph._kernel_label_map({"MatMul": LABEL}):  # noqa: SLF001 (TensorFlow's label map)
         yield
+
+
+def accumulate(acc: Any, g: Any, assign: bool) -> Any:
+    """``acc = g`` (``assign``) or ``acc += g`` with the product that made ``g`` written
+    straight into ``acc`` ([Note: products into accumulators]); None where ``g`` is not a
+    labelled product of this graph (the caller updates ``acc`` its own way)."""
+    import tensorflow as tf
+
+    op = getattr(g, "op", None)
+    if (not active() or op is None or op.type != "MatMul" or g.dtype != tf.float32
+            or acc.dtype != tf.float32 or not tf.inside_function()
+            or g.graph is not tf.compat.v1.get_default_graph()):
+        return None
+    try:
+        labelled = op.get_attr("_kernel") == LABEL.encode()
+    except ValueError:
+        labelled = False
+    if not labelled:  # not a product of a labelled program (an XLA one, or user code)
+        return None
+    _state.ops.tfsmp_mat_mul_accumulate(
+        acc.handle, op.inputs[0], op.inputs[1], transpose_a=op.get_attr("transpose_a"),
+        transpose_b=op.get_attr("transpose_b"), assign=assign)
+    return acc.read_value()
 
 
 def _call_options() -> Any:
