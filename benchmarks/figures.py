@@ -248,8 +248,10 @@ def _torch(r: dict[str, Any]) -> Figures:
         out[f"{key}.vs_1f1b"] = row["vs_1f1b"]["median"]
         out[f"{key}.vs_best"] = row["vs_best"]["median"]
         out[f"{key}.of_ideal"] = row["of_ideal"]
+        out[f"{key}.step"] = row["step"]
     for row in a["torch_rows"]:
         out[f"torch.torch.{row['torch']}.of_ideal"] = row["of_ideal"]
+        out[f"torch.torch.{row['torch']}.step"] = row["step"]
     for row in a["rows"]:  # the taped backward's step over the compiled one's, same rounds
         if row["compiled_gain"]["n"]:
             key = "torch.compiled_gain." + row["tfsmp"]
