@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import keras
@@ -29,8 +30,10 @@ scipy_openblas32 = pytest.importorskip("scipy_openblas32")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _loaded() -> None:
+def _loaded() -> Iterator[None]:
     kernels.load()
+    yield
+    kernels.use("tensorflow")  # the tests after these make programs of their own
 
 
 def _threads() -> int:

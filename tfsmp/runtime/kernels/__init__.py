@@ -258,6 +258,8 @@ class OpenBlasProgram:
             ctx.function_call_options = saved
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_fn":  # not yet set (a copy being made): no recursion through _fn
+            raise AttributeError(name)
         return getattr(self._fn, name)
 
 
