@@ -1,0 +1,129 @@
+"""The matrix products of a pipeline microbatch, kernel by kernel, alternating in one process:
+``python benchmarks/products.py``.
+
+One thread (TensorFlow's pools and OpenBLAS's), 256 rows (a microbatch of the peer benchmark's
+batch 2048 at m = 8) by a 1024 x 1024 kernel, the three products of a Dense layer's step:
+``x @ W`` (forward), ``dY @ W^T`` (input gradient) and ``X^T dY`` (weight gradient), each as
+one `tf.function`:
+
+- tensorflow: TensorFlow's own MatMul kernel (Eigen, or oneDNN where TF_ENABLE_ONEDNN_OPTS=1);
+- xla: the same function compiled with XLA (``jit_compile=True``);
+- openblas: tfsmp's OpenBLAS kernel (`blas: openblas`, [Note: OpenBLAS products] in
+  tfsmp/runtime/kernels);
+- torch: torch's own product on torch tensors, where torch is installed (`.[bench-torch]`).
+
+Then the last stage's fused forward-backward of the peer benchmark (4 × Dense(1024) with ReLU,
+MSE, the input's gradient, weight gradients into accumulators) with TensorFlow's kernel, with
+XLA and with tfsmp's kernel (products into accumulators: [Note: products into accumulators]).
+
+Prints GFLOP/s (products) or ms (the fused call): the median over ``--rounds`` rounds of each
+round's fastest of 5 calls. Not part of `run.py`: a diagnostic of the kernels
+(docs/performance.md, "OpenBLAS products").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROWS, WIDTH, LAYERS = 256, 1024, 4
+
+
+def _fastest(fn: Callable[[], Any], calls: int = 5) -> float:
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _rounds(arms: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Median over rounds of each arm's fastest call; the arms alternate within a round."""
+    import numpy as np
+
+    for fn in arms.values():
+        fn()
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, fn in arms.items():
+            times[name].append(_fastest(fn))
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfsmp.runtime import kernels
+    from tfsmp.runtime.stage import _accumulate_into
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    kernels.load()
+    rng = np.random.default_rng(0)
+    x_np = rng.standard_normal((ROWS, WIDTH), dtype=np.float32)
+    dy_np = rng.standard_normal((ROWS, WIDTH), dtype=np.float32)
+    w_np = rng.standard_normal((WIDTH, WIDTH), dtype=np.float32)
+    x, dy, w = tf.constant(x_np), tf.constant(dy_np), tf.Variable(w_np)
+    products = {"x @ W": (lambda: tf.matmul(x, w)),
+                "dY @ W^T": (lambda: tf.matmul(dy, w, transpose_b=True)),
+                "X^T dY": (lambda: tf.matmul(x, dy, transpose_a=True))}
+    arms: dict[str, Callable[[], Any]] = {}
+    for name, f in products.items():
+        arms[f"{name} tensorflow"] = tf.function(f, autograph=False)
+        arms[f"{name} xla"] = tf.function(f, jit_compile=True, autograph=False)
+        arms[f"{name} openblas"] = kernels.program(f, autograph=False)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        tx, tdy, tw = (torch.from_numpy(a) for a in (x_np, dy_np, w_np))
+        arms["x @ W torch"] = lambda: tx @ tw
+        arms["dY @ W^T torch"] = lambda: tdy @ tw.T
+        arms["X^T dY torch"] = lambda: tx.T @ tdy
+    except ImportError:
+        print("torch is not installed (pip install -e .[bench-torch]): no torch arms")
+    flops = 2 * ROWS * WIDTH * WIDTH
+    for name, seconds in _rounds(arms, args.rounds).items():
+        print(f"{name:22s} {flops / seconds / 1e9:6.1f} GFLOP/s")
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Dense(WIDTH, activation="relu")
+                              for _ in range(LAYERS)])
+    model.build((None, WIDTH))
+    y = tf.constant(rng.standard_normal((ROWS, WIDTH), dtype=np.float32))
+    accumulators = [tf.Variable(tf.zeros_like(v)) for v in model.trainable_variables]
+
+    def fused() -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = tape.gradient(loss, [x, *model.trainable_variables])
+        for acc, g in zip(accumulators, grads[1:]):
+            _accumulate_into(acc, g, False)
+        return grads[0]
+
+    calls = {"tensorflow": tf.function(fused), "xla": tf.function(fused, jit_compile=True),
+             "openblas": kernels.program(fused)}
+    for name, seconds in _rounds(calls, args.rounds).items():
+        print(f"last stage's fused call, {name:10s} {seconds * 1e3:6.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
