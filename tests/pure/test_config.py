@@ -447,6 +447,14 @@ def test_checked_in_docs_match_the_generated_text() -> None:
     assert (REPO / "docs" / "parameters.md").read_text() == parameters_doc_markdown()
 
 
+def test_readme_parameter_table_is_the_generated_one() -> None:
+    """README's "Parameters" table says it is generated from PARAMETERS: it is that table."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Parameters"):]
+    section = section[:section.index("\n## ", 1)]
+    assert parameter_table_markdown().strip() in section
+
+
 def test_main_hook_prints_the_docs() -> None:
     out = subprocess.run([sys.executable, "-m", "tfsmp.config"], capture_output=True, text=True,
                          check=True, cwd=REPO, timeout=60).stdout
