@@ -211,7 +211,8 @@ def accumulate(acc: Any, g: Any, assign: bool) -> Any:
     import tensorflow as tf
 
     op = getattr(g, "op", None)
-    if (not active() or op is None or op.type != "MatMul" or g.dtype != tf.float32
+    if (not active() or not isinstance(assign, bool) or op is None or op.type != "MatMul"
+            or g.dtype != tf.float32
             or acc.dtype != tf.float32 or not tf.inside_function()
             or g.graph is not tf.compat.v1.get_default_graph()):
         return None
@@ -219,10 +220,11 @@ def accumulate(acc: Any, g: Any, assign: bool) -> Any:
         labelled = op.get_attr("_kernel") == LABEL.encode()
     except ValueError:
         labelled = False
-    if not labelled:  # not a product of a labelled program (an XLA one, or user code)
+    handle = getattr(acc, "handle", None)  # a resource variable's
+    if not labelled or handle is None:  # not a labelled program's product (XLA's, user code's)
         return None
     _state.ops.tfsmp_mat_mul_accumulate(
-        acc.handle, op.inputs[0], op.inputs[1], transpose_a=op.get_attr("transpose_a"),
+        handle, op.inputs[0], op.inputs[1], transpose_a=op.get_attr("transpose_a"),
         transpose_b=op.get_attr("transpose_b"), assign=assign)
     return acc.read_value()
 
