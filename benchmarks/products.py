@@ -1,7 +1,7 @@
 """The matrix products of a pipeline microbatch, kernel by kernel, alternating in one process:
 ``python benchmarks/products.py``.
 
-One thread (TensorFlow's pools and OpenBLAS's), 256 rows (a microbatch of the peer benchmark's
+One thread (TensorFlow's pools, or ``TFSMP_BENCH_THREADS``; OpenBLAS's own are off), 256 rows (a microbatch of the peer benchmark's
 batch 2048 at m = 8) by a 1024 x 1024 kernel, the three products of a Dense layer's step:
 ``x @ W`` (forward), ``dY @ W^T`` (input gradient) and ``X^T dY`` (weight gradient), each as
 one `tf.function`:
@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from benchmarks import tfhelp
+
+    tfhelp.setup_threads()  # one thread (TFSMP_BENCH_THREADS), before any TensorFlow op
     import keras
     import numpy as np
     import tensorflow as tf
@@ -72,8 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     from tfsmp.runtime import kernels
     from tfsmp.runtime.stage import _accumulate_into
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
     kernels.load()
     rng = np.random.default_rng(0)
     x_np = rng.standard_normal((ROWS, WIDTH), dtype=np.float32)
