@@ -268,3 +268,27 @@ def test_other_gradients_accumulate_as_before() -> None:
     tf.function(lambda: _accumulate_into(plain, tf.matmul(tf.ones((2, 2)), tf.ones((2, 2))),
                                          False))()
     np.testing.assert_array_equal(plain.numpy(), np.full((2, 2), 3.0))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16", "int32"])
+def test_products_of_other_types_keep_tensorflows_kernel(dtype: str) -> None:
+    """The kernel is float32's: a labelled node of another type would find no kernel at all."""
+    a = tf.cast(tf.reshape(tf.range(12), (3, 4)), dtype)
+    b = tf.cast(tf.reshape(tf.range(8), (4, 2)), dtype)
+    labelled, plain = _product(False, False)
+    assert np.array_equal(labelled(a, b).numpy(), plain(a, b).numpy())
+
+
+def test_a_mixed_precision_dense_layer_trains_in_a_labelled_program() -> None:
+    layer = keras.layers.Dense(8, dtype="mixed_float16")
+    layer.build((None, 4))
+    x = tf.ones((3, 4))
+
+    def step() -> list[tf.Tensor]:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(layer(x), tf.float32))
+        return tape.gradient(loss, layer.trainable_variables)
+
+    got = kernels.program(step)()
+    for g, ref in zip(got, tf.function(step)()):
+        np.testing.assert_array_equal(g.numpy(), ref.numpy())

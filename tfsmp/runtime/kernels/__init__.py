@@ -35,8 +35,10 @@ rounding differs from adding the finished product.
 What it does not cover: products outside the stage programs (the taped fallback's backward,
 which TensorFlow traces apart, and user code), ``BatchMatMul``/``Einsum`` (attention), and XLA,
 which compiles its own products: ``blas='openblas'`` with ``xla=True`` (or Keras's
-``jit_compile=True``) is refused. Results differ from TensorFlow's kernel by float32 rounding
-(another summation order), as TensorFlow's kernels differ from one another.
+``jit_compile=True``) is refused. Products of other types than float32 (float64, mixed
+precision's float16 and bfloat16, integers) keep TensorFlow's kernel. Results differ from
+TensorFlow's kernel by float32 rounding (another summation order), as TensorFlow's kernels
+differ from one another.
 """
 
 from __future__ import annotations
@@ -229,6 +231,22 @@ def accumulate(acc: Any, g: Any, assign: bool) -> Any:
     return acc.read_value()
 
 
+def _float32_only(graph: Any) -> None:
+    """The label map labels every MatMul, but the kernel is float32's only: products of other
+    types (float64 models, float16/bfloat16 under mixed precision, integers) drop the label and
+    keep TensorFlow's kernel, which a labelled node could not find."""
+    import tensorflow as tf
+
+    for op in graph.get_operations():
+        if op.type != "MatMul" or op.get_attr("T") == tf.float32:
+            continue
+        try:
+            op.get_attr("_kernel")
+        except ValueError:
+            continue
+        op._clear_attr("_kernel")  # noqa: SLF001 (TensorFlow's node attributes)
+
+
 def _call_options() -> Any:
     """The eager context's call options with Grappler's remapper off."""
     from tensorflow.core.protobuf import rewriter_config_pb2
@@ -275,6 +293,8 @@ def program(f: Callable[..., Any], **options: Any) -> Any:
     @functools.wraps(f)
     def labelled(*args: Any, **kwargs: Any) -> Any:
         with labels():
-            return f(*args, **kwargs)
+            out = f(*args, **kwargs)
+        _float32_only(tf.compat.v1.get_default_graph())
+        return out
 
     return OpenBlasProgram(tf.function(labelled, **options))
