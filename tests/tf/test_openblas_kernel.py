@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -292,3 +293,32 @@ def test_a_mixed_precision_dense_layer_trains_in_a_labelled_program() -> None:
     got = kernels.program(step)()
     for g, ref in zip(got, tf.function(step)()):
         np.testing.assert_array_equal(g.numpy(), ref.numpy())
+
+
+def test_a_build_that_does_not_end_is_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stuck = tmp_path / "stuck-cxx"
+    pid_file = tmp_path / "child.pid"
+    stuck.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {pid_file}\nwait\n")
+    stuck.chmod(0o755)
+    monkeypatch.setenv("TFSMP_KERNEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(stuck))
+    monkeypatch.setattr(kernels, "BUILD_TIMEOUT", 1.0)
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"ran longer than 1 s\. Received: .*stuck-cxx"):
+        kernels.build()
+    # not the child's 60 s: a child left running would hold the output pipes open till then
+    assert time.monotonic() - start < 30
+    assert not list((tmp_path / "cache").glob("*/*.so"))
+    child = int(pid_file.read_text())  # the compiler's own child was stopped with it
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{child}").exists() and "Z" not in _state_of(child):
+        assert time.monotonic() < deadline, "the compiler's child outlived the stopped build"
+        time.sleep(0.05)
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return "Z"

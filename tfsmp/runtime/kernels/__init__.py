@@ -49,6 +49,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,7 @@ from tfsmp.errors import ConfigError
 LABEL = "tfsmp_openblas"
 SOURCE = Path(__file__).with_name("openblas_matmul.cc")
 LIBRARY = "tfsmp_openblas_matmul.so"
+BUILD_TIMEOUT = 600.0  # seconds; a build takes about 10
 
 class _State:
     active = False
@@ -149,6 +151,11 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def build() -> Path:
     """The library for this machine, built first if no build with the same inputs is kept."""
     target = kernel_dir() / _key() / LIBRARY
@@ -161,13 +168,29 @@ def build() -> Path:
         fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         cmd = build_command(Path(scratch))
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
+        # its own process group: a stopped build takes the compiler's children with it
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=BUILD_TIMEOUT)
+        except subprocess.TimeoutExpired:  # the ranks waiting on the lock must not wait longer
+            _kill_group(proc)
+            proc.communicate()
             Path(scratch).unlink(missing_ok=True)
-            tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+            raise ConfigError(
+                f"blas='openblas' builds its TensorFlow kernel in seconds, and the compiler "
+                f"ran longer than {BUILD_TIMEOUT:g} s. Received: {' '.join(cmd[:2])} ... "
+                f"still running (stopped). Fix: check the machine's load and compiler, or "
+                f"leave blas='tensorflow'.") from None
+        finally:
+            if proc.poll() is None:  # interrupted while waiting: no compiler outlives it
+                _kill_group(proc)
+        if proc.returncode != 0:
+            Path(scratch).unlink(missing_ok=True)
+            tail = "\n".join(stderr.strip().splitlines()[-15:])
             raise ConfigError(
                 "blas='openblas' could not build its TensorFlow kernel. Received: exit status "
-                f"{done.returncode} from {' '.join(cmd[:2])} ...:\n{tail}\nFix: check the "
+                f"{proc.returncode} from {' '.join(cmd[:2])} ...:\n{tail}\nFix: check the "
                 "compiler and TensorFlow's headers (tf.sysconfig.get_include()), or leave "
                 "blas='tensorflow'.")
         os.replace(scratch, target)
