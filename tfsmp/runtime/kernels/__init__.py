@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from tfsmp.errors import ConfigError
+from tfsmp.runtime.dispatch import Program
 
 LABEL = "tfsmp_openblas"
 SOURCE = Path(__file__).with_name("openblas_matmul.cc")
@@ -280,38 +281,22 @@ def _call_options() -> Any:
     return context.FunctionCallOptions(config_proto=config)
 
 
-class OpenBlasProgram:
-    """A `tf.function` traced under `labels` whose calls run with the remapper off; anything
-    else (``get_concrete_function``, ...) is the function's own."""
+class OpenBlasProgram(Program):
+    """A `tf.function` traced under `labels` whose calls run with the remapper off ([Note:
+    program dispatch] in tfsmp/runtime/dispatch.py: called flat once traced); anything else
+    (``get_concrete_function``, ...) is the function's own."""
 
     def __init__(self, fn: Any) -> None:
-        from tensorflow.python.eager import context
-
-        self._fn = fn
-        self._options = _call_options()
-        self._context = context.context()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = self._context
-        saved = ctx.function_call_options
-        ctx.function_call_options = self._options
-        try:
-            return self._fn(*args, **kwargs)
-        finally:
-            ctx.function_call_options = saved
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "_fn":  # not yet set (a copy being made): no recursion through _fn
-            raise AttributeError(name)
-        return getattr(self._fn, name)
+        super().__init__(fn, call_options=_call_options())
 
 
 def program(f: Callable[..., Any], **options: Any) -> Any:
-    """``tf.function(f, **options)``; with the kernel active, an `OpenBlasProgram` of it."""
+    """``tf.function(f, **options)`` as a `Program` ([Note: program dispatch]); with the
+    kernel active, an `OpenBlasProgram` of it."""
     import tensorflow as tf
 
     if not active() or options.get("jit_compile"):
-        return tf.function(f, **options)
+        return Program(tf.function(f, **options))
 
     @functools.wraps(f)
     def labelled(*args: Any, **kwargs: Any) -> Any:
