@@ -60,7 +60,8 @@ TFSMP = {"1F1B": ("interleaved", 1, True, False, False),
          "1F1B blas": ("interleaved", 1, False, False, True),
          "GPipe blas": ("simple", 1, False, False, True),
          "zb-h1 blas": ("zb-h1", 1, False, False, True),
-         "interleaved v=2 blas": ("interleaved", 2, False, False, True)}
+         "interleaved v=2 blas": ("interleaved", 2, False, False, True),
+         "zb-v blas": ("zb-v", 2, False, False, True)}
 
 # [Note: XLA's products] On the AMD EPYC host of 2026-12-06 (1 thread), TensorFlow's MatMul
 # kernel ran `x @ W` (1024 x 1024) over 256 rows at 39-44 GFLOP/s and over 512 rows at 56-73,

@@ -127,3 +127,12 @@ def test_call_options_are_set_for_the_call_and_restored() -> None:
                     call_options=options)
     inner(tf.constant(1.0))
     assert seen[-1] is options
+
+
+def test_flat_off_leaves_every_call_to_tf_function() -> None:
+    """`benchmarks/dispatch.py`'s switch: a program with ``flat`` off learns no signature."""
+    p, traces = _counted(lambda x: x * 3.0)
+    p.flat = False
+    for _ in range(3):
+        np.testing.assert_array_equal(p(tf.constant([1.0])), [3.0])
+    assert not p._flat and len(traces) == 1

@@ -81,6 +81,7 @@ class Program:
         self._context = context.context()
         self._eager = ops.EagerTensor
         self._flat: dict[Any, Any] = {}  # signature -> concrete function, or None: never flat
+        self.flat = True  # False: every call is tf.function's own (benchmarks/dispatch.py)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ctx = self._context
@@ -89,7 +90,7 @@ class Program:
         if options is not None:
             ctx.function_call_options = options
         try:
-            if kwargs or not ctx.executing_eagerly():
+            if kwargs or not self.flat or not ctx.executing_eagerly():
                 return self._fn(*args, **kwargs)
             tensors: list[Any] = []
             try:
