@@ -150,3 +150,12 @@ def _rank0_result(out: str) -> dict[str, Any] | None:
 def _tail(out: str, err: str, limit: int = 4000) -> str:
     text = f"--- stdout ---\n{out}\n--- stderr ---\n{err}"
     return text if len(text) <= limit else "...\n" + text[-limit:]
+
+
+def side_by_side(label: str, times: Mapping[str, Sequence[float]], base: str, other: str) -> str:
+    """One line: each arm's median step and the median [quartiles] of ``other`` / ``base`` over
+    the rounds (> 1: ``base`` is faster)."""
+    s = ratio_summary([b / a for a, b in zip(times[base], times[other])])
+    return (f"{label}: {base} {median(times[base]):.3f} s, {other} {median(times[other]):.3f} s; "
+            f"{other} / {base} {s['median']:.3f} [{s['q1']:.3f}, {s['q3']:.3f}] over "
+            f"{s['n']} rounds")

@@ -187,3 +187,28 @@ def batch_step_time(model: Any, x: Any, y: Any) -> float:
     start = time.perf_counter()
     model.train_on_batch(x, y)
     return time.perf_counter() - start
+
+
+def built_stack(smp: Any, width: int, depth: int, x: Any, y: Any) -> Any:
+    """A `DistributedModel` of ``dense_stack(width, depth)`` (SGD, MSE), stepped twice on ``x``,
+    ``y`` so that it is built, traced and has its executors: one arm of a side-by-side job."""
+    import keras
+
+    model = smp.DistributedModel(lambda: dense_stack(width, depth))
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01), loss="mse")
+    for _ in range(2):
+        model.train_on_batch(x, y)
+    return model
+
+
+def alternate(models: dict[str, Any], x: Any, y: Any, rounds: int) -> dict[str, list[float]]:
+    """Per round, each model's fastest of 2 `train_on_batch` steps, timed as the slowest rank's
+    ([Note: the slowest rank's step]); which model goes first alternates by round."""
+    times: dict[str, list[float]] = {name: [] for name in models}
+    pair = list(models.items())
+    for r in range(rounds):
+        for name, model in pair if r % 2 == 0 else pair[::-1]:
+            sleepy_barrier()
+            times[name].append(min(slowest_rank([batch_step_time(model, x, y)
+                                                 for _ in range(2)])))
+    return times
