@@ -136,3 +136,21 @@ def test_flat_off_leaves_every_call_to_tf_function() -> None:
     for _ in range(3):
         np.testing.assert_array_equal(p(tf.constant([1.0])), [3.0])
     assert not p._flat and len(traces) == 1
+
+
+def test_functions_run_eagerly_run_the_python_function() -> None:
+    """`tf.config.run_functions_eagerly(True)` (debugging) runs every call as Python, learnt
+    signatures included, as tf.function does."""
+    p, traces = _counted(lambda x: x + 1.0)
+    x = tf.constant([1.0])
+    p(x), p(x)
+    assert len(traces) == 1 and _flat_entries(p)
+    tf.config.run_functions_eagerly(True)
+    try:
+        for _ in range(2):
+            np.testing.assert_array_equal(p(x), [2.0])
+    finally:
+        tf.config.run_functions_eagerly(False)
+    assert len(traces) == 3
+    p(x)
+    assert len(traces) == 3

@@ -34,6 +34,7 @@ from keras.src.backend import get_keras_mask, set_keras_mask
 from tfsmp import failure
 from tfsmp.errors import StepError
 from tfsmp.runtime import microbatch as mbatch
+from tfsmp.runtime.dispatch import Program
 
 __all__ = ["TrainerMetrics", "replica_outputs"]
 
@@ -257,7 +258,7 @@ class TrainerMetrics:
 
     def _update(self, y: Any, outputs: list[Output], sw: Any) -> None:
         if self._update_fn is None:
-            self._update_fn = tf.function(self._update_graph, reduce_retracing=True)
+            self._update_fn = Program(tf.function(self._update_graph, reduce_retracing=True))
         values = [tf.convert_to_tensor(v) for v, _ in outputs]
         masks = [None if m is None else tf.convert_to_tensor(m) for _, m in outputs]
         self._update_fn(y, values, masks, sw)

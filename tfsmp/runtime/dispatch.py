@@ -14,7 +14,10 @@ lists of tensors and a Python int, the shape of a stage program's call) 880 us p
 call, which runs the same graph. A pipeline stage calls its programs once or twice per
 microbatch (a zero-bubble stage three times), so on the peer benchmark's zb-v step that was 48
 calls per rank and step. So a `Program` keeps, per call signature, the concrete function that
-`tf.function` chose for it, and afterwards calls it flat:
+`tf.function` chose for it, and afterwards calls it flat. The stage programs
+(`tfsmp.runtime.kernels.program`, with or without the OpenBLAS kernel), the taped backward's
+accumulation, the optimizer's compiled update (optimizer_options.py) and the compiled metrics'
+update (tfsmp/keras/trainer_metrics.py) are `Program`s:
 
 * The signature is the argument structure (lists, tuples, dicts with string keys), each
   tensor's shape and dtype, and the value of every Python scalar or None (which the trace
@@ -22,7 +25,8 @@ calls per rank and step. So a `Program` keeps, per call signature, the concrete 
   sorted key), the order of the concrete function's inputs.
 * Only eager calls with positional arguments of those kinds take the fast path. Anything else
   (keyword arguments, variables, NumPy arrays, a call while a graph is being built, a
-  signature not yet traced) goes through `tf.function` itself, which traces where it must;
+  signature not yet traced, and every call while `tf.config.run_functions_eagerly(True)` has
+  functions run as Python) goes through `tf.function` itself, which traces where it must;
   a new signature is looked up once with ``get_concrete_function`` and checked against the
   concrete function's inputs (count, dtypes, shapes), and one that does not match is never
   called flat.
@@ -74,12 +78,14 @@ class Program:
 
     def __init__(self, fn: Any, call_options: Any = None) -> None:
         from tensorflow.python.eager import context
+        from tensorflow.python.eager.polymorphic_function import eager_function_run
         from tensorflow.python.framework import ops
 
         self._fn = fn
         self._options = call_options
         self._context = context.context()
         self._eager = ops.EagerTensor
+        self._run = eager_function_run  # RUN_FUNCTIONS_EAGERLY: tf.config.run_functions_eagerly
         self._flat: dict[Any, Any] = {}  # signature -> concrete function, or None: never flat
         self.flat = True  # False: every call is tf.function's own (benchmarks/dispatch.py)
 
@@ -90,7 +96,8 @@ class Program:
         if options is not None:
             ctx.function_call_options = options
         try:
-            if kwargs or not self.flat or not ctx.executing_eagerly():
+            if (kwargs or not self.flat or self._run.RUN_FUNCTIONS_EAGERLY
+                    or not ctx.executing_eagerly()):
                 return self._fn(*args, **kwargs)
             tensors: list[Any] = []
             try:

@@ -38,6 +38,7 @@ from keras.src.optimizers import base_optimizer
 
 from tfsmp.errors import StepError
 from tfsmp.runtime import layer_losses as ll
+from tfsmp.runtime.dispatch import Program
 from tfsmp.runtime.memory import one_variable_at_a_time
 
 __all__ = ["OptimizerBridge"]
@@ -137,8 +138,9 @@ class OptimizerBridge:
             self._apply_fn = self._deferred_fn = fn = None
             self._traced_with = key
         if fn is None:
-            fn = tf.function(self._builder(accumulators, deferred), jit_compile=self.xla or None,
-                             reduce_retracing=True)
+            # called flat once traced ([Note: program dispatch] in tfsmp/runtime/dispatch.py)
+            fn = Program(tf.function(self._builder(accumulators, deferred),
+                                     jit_compile=self.xla or None, reduce_retracing=True))
             if deferred:
                 self._deferred_fn = fn
             else:

@@ -120,6 +120,7 @@ from tfsmp.partitioning.memory import late_weights_pay
 from tfsmp.partitioning.plan import Boundary, StagePlan
 from tfsmp.runtime import deferred, kernels
 from tfsmp.runtime import layer_losses as ll
+from tfsmp.runtime.dispatch import Program
 from tfsmp.runtime.gradients import CONCAT, SUM, GradientStore, all_finite
 from tfsmp.runtime.hooks import StageResult, StepMode
 from tfsmp.runtime.memory import DirectUpdate
@@ -269,8 +270,8 @@ class StageProgram:
         self._fwd_split = compile_fn(self._forward_split_fn)
         self._fwd_stash = compile_fn(self._forward_stash_fn)
         self._weight = compile_fn(self._weight_fn)
-        self._accumulate = tf.function(self._accumulate_fn)
-        self._direct = tf.function(self._direct_fn)
+        self._accumulate = Program(tf.function(self._accumulate_fn))  # [Note: program dispatch]
+        self._direct = Program(tf.function(self._direct_fn))
         # [Note: collect mode] `@smp.step` returns every microbatch's gradients (StepOutput),
         # so with `collect` set the weight gradients are kept per microbatch, not summed.
         self.collect = False
@@ -316,8 +317,8 @@ class StageProgram:
         self._bwd_recompute = self._compile_fn(self._backward_recompute_fn)
         self._fused = self._compile_fn(self._fused_fn)
         self._weight = self._compile_fn(self._weight_fn)
-        self._accumulate = tf.function(self._accumulate_fn)
-        self._direct = tf.function(self._direct_fn)
+        self._accumulate = Program(tf.function(self._accumulate_fn))  # [Note: program dispatch]
+        self._direct = Program(tf.function(self._direct_fn))
         self._traced_generation = self._store.generation
 
     def _ensure_accumulators(self, skip: frozenset[int] = frozenset()) -> None:
