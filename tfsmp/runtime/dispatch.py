@@ -90,31 +90,34 @@ class Program:
         self.flat = True  # False: every call is tf.function's own (benchmarks/dispatch.py)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = self._context
         options = self._options
+        if options is None:
+            return self._call(args, kwargs)
+        ctx = self._context
         saved = ctx.function_call_options
-        if options is not None:
-            ctx.function_call_options = options
+        ctx.function_call_options = options
         try:
-            if (kwargs or not self.flat or self._run.RUN_FUNCTIONS_EAGERLY
-                    or not ctx.executing_eagerly()):
-                return self._fn(*args, **kwargs)
-            tensors: list[Any] = []
-            try:
-                key = _walk(args, tensors, self._eager)
-            except _Slow:
-                return self._fn(*args)
-            cf = self._flat.get(key, False)
-            if cf is False:
-                out = self._fn(*args)  # traces if it must
-                self._learn(key, args, tensors)
-                return out
-            if cf is None:
-                return self._fn(*args)
-            return cf._call_flat(tensors, cf.captured_inputs)  # noqa: SLF001 (the note)
+            return self._call(args, kwargs)
         finally:
-            if options is not None:
-                ctx.function_call_options = saved
+            ctx.function_call_options = saved
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if (kwargs or not self.flat or self._run.RUN_FUNCTIONS_EAGERLY
+                or not self._context.executing_eagerly()):
+            return self._fn(*args, **kwargs)
+        tensors: list[Any] = []
+        try:
+            key = _walk(args, tensors, self._eager)
+        except _Slow:
+            return self._fn(*args)
+        cf = self._flat.get(key, False)
+        if cf is False:
+            out = self._fn(*args)  # traces if it must
+            self._learn(key, args, tensors)
+            return out
+        if cf is None:
+            return self._fn(*args)
+        return cf._call_flat(tensors, cf.captured_inputs)  # noqa: SLF001 (the note)
 
     def _learn(self, key: Any, args: tuple[Any, ...], tensors: list[Any]) -> None:
         """Keeps the concrete function `tf.function` chose for ``key``, if its inputs are
