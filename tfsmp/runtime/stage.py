@@ -264,14 +264,10 @@ class StageProgram:
 
         self._compile_fn = compile_fn
         self._fwd = compile_fn(self._forward_fn)
-        self._bwd_recompute = compile_fn(self._backward_recompute_fn)
-        self._fused = compile_fn(self._fused_fn)
         self._eval = compile_fn(self._eval_fn)
         self._fwd_split = compile_fn(self._forward_split_fn)
         self._fwd_stash = compile_fn(self._forward_stash_fn)
-        self._weight = compile_fn(self._weight_fn)
-        self._accumulate = Program(tf.function(self._accumulate_fn))  # [Note: program dispatch]
-        self._direct = Program(tf.function(self._direct_fn))
+        self._retrace()  # the programs that update or accumulate
         # [Note: collect mode] `@smp.step` returns every microbatch's gradients (StepOutput),
         # so with `collect` set the weight gradients are kept per microbatch, not summed.
         self.collect = False
@@ -298,7 +294,6 @@ class StageProgram:
         self._late_fn: Any = None
         self._late_owner: DirectUpdate | None = None
         self._late_mine: tuple[int, ...] = ()  # the trainable variables the late update takes
-        self._traced_generation = self._store.generation  # [Note: traced accumulators]
 
     @property
     def accumulators(self) -> list[tf.Variable]:
@@ -319,7 +314,7 @@ class StageProgram:
         self._weight = self._compile_fn(self._weight_fn)
         self._accumulate = Program(tf.function(self._accumulate_fn))  # [Note: program dispatch]
         self._direct = Program(tf.function(self._direct_fn))
-        self._traced_generation = self._store.generation
+        self._traced_generation = self._store.generation  # [Note: traced accumulators]
 
     def _ensure_accumulators(self, skip: frozenset[int] = frozenset()) -> None:
         """The store's `ensure_accumulators`; programs that captured replaced accumulators
