@@ -8,8 +8,19 @@ completed by the executor's wait and handed on as a tensor aliasing its buffer, 
 next action consumes (here: drops). Arm K is arm A with every received tensor kept to the
 step's end (so the step needs a buffer per message, as a stage stashing its inputs does).
 Arm B is the floor: blocking ``Send``/``Recv`` of the same messages, the same number of round
-trips, out of the same tensor's memory into one preallocated buffer. Throughput = bytes moved /
+trips, out of the same tensor's memory into one preallocated buffer. Arm P is the floor of any
+message path written in Python with the runtime's contract ([Note: the Python floor]). Throughput = bytes moved /
 time; the figure is the median over rounds of throughput(A) / throughput(B) (and K's beside it).
+[Note: the Python floor] Arm P does per message only what any Python path must that posts its
+receives ahead and hands each message on as a tensor, in the fewest calls mpi4py allows: the
+next receive posted before the wait into a ring of two 64-byte aligned buffers, with the DLPack
+tensor that aliases its buffer made as it is posted (as the runtime makes it: [Note: early
+tensors] in tfsmp/runtime/executor.py), the send of the tensor itself (``Isend``, its buffer
+export: [Note: direct sends] in tfsmp/runtime/buffers.py), a test loop on the receive, the
+previous message's tensor dropped before the next wait, and the sends completed at the end; no
+executor, no schedule, no watchdog. Its ratio to arm B says how far below raw blocking
+MPI a Python message path must stay on this host, whatever its executor; arm A's ratio to it
+(``of_floor``) is what the executor costs beyond that.
 The job is launched as `tfsmp run` launches, with malloc on transparent huge pages ([Note: huge
 pages] in tfsmp/launch/mpirun.py); both arms alike.
 
@@ -79,10 +90,12 @@ def _size(comm: Any, group: Any, size: int, k: int, rounds: int) -> dict[str, An
     ex = _transfer_executor(group, size // 4, k, payload=payload)
     kept = _transfer_executor(group, size // 4, k, keep=True, payload=payload)
     raw = _RawPingPong(comm, payload)
-    ex.step(), kept.step(), raw.step(k)  # warm up (buffers, MPI connections, TF kernels)
+    floor = _PythonFloor(comm, payload)
+    ex.step(), kept.step(), raw.step(k), floor.step(k)  # warm up (buffers, MPI, TF kernels)
     a: list[float] = []
     c: list[float] = []
     b: list[float] = []
+    f: list[float] = []
     for _ in range(rounds):
         comm.Barrier()
         a.append(ex.step())
@@ -90,12 +103,16 @@ def _size(comm: Any, group: Any, size: int, k: int, rounds: int) -> dict[str, An
         b.append(raw.step(k))
         comm.Barrier()
         c.append(kept.step())
+        comm.Barrier()
+        f.append(floor.step(k))
     moved = 2 * k * size
     return {"bytes": size, "round_trips": k,
             "tfsmp_gbps": moved / median(a) / 1e9, "raw_gbps": moved / median(b) / 1e9,
-            "kept_gbps": moved / median(c) / 1e9,
+            "kept_gbps": moved / median(c) / 1e9, "floor_gbps": moved / median(f) / 1e9,
             "ratio": ratio_summary([bi / ai for ai, bi in zip(a, b)]),
-            "kept_ratio": ratio_summary([bi / ci for ci, bi in zip(c, b)])}
+            "kept_ratio": ratio_summary([bi / ci for ci, bi in zip(c, b)]),
+            "floor_ratio": ratio_summary([bi / fi for fi, bi in zip(f, b)]),
+            "of_floor": ratio_summary([fi / ai for ai, fi in zip(a, f)])}
 
 
 class _RawPingPong:
@@ -121,6 +138,47 @@ class _RawPingPong:
             else:
                 self.comm.Recv(self.recv, source=peer, tag=i)
                 self.comm.Send(self.send, dest=peer, tag=i)
+        return time.perf_counter() - start
+
+
+class _PythonFloor:
+    """Non-blocking ping-pong between ranks 0 and 1 with the runtime's contract in the fewest
+    Python calls ([Note: the Python floor]): receives posted one ahead into a ring of two
+    aligned buffers, each with its DLPack tensor made when it is posted, sends of ``payload``
+    itself, test loops; a message's tensor is dropped (consumed) before the next wait."""
+
+    def __init__(self, comm: Any, payload: Any) -> None:
+        import numpy as np
+
+        from tfsmp.runtime.buffers import aligned_empty, pool_tensor
+
+        self.comm, self.payload, self.tensor = comm, payload, pool_tensor
+        self.ring = [aligned_empty(tuple(payload.shape), np.dtype(np.float32)) for _ in range(2)]
+
+    def step(self, k: int) -> float:
+        from mpi4py import MPI
+
+        comm, payload, ring, tensor = self.comm, self.payload, self.ring, self.tensor
+        first = comm.Get_rank() == 0
+        peer = 1 - comm.Get_rank()
+        start = time.perf_counter()
+        sends = []
+        pending, early = comm.Irecv(ring[0], peer, 0), tensor(ring[0], True)
+        got = None
+        for i in range(k):
+            if first:
+                sends.append(comm.Isend(payload, peer, i))
+            got = None  # the previous message was consumed: its buffer is free again
+            nxt, later = ((comm.Irecv(ring[(i + 1) % 2], peer, i + 1), tensor(ring[(i + 1) % 2], True))
+                          if i + 1 < k else (None, None))  # posted ahead, its tensor made early
+            while not pending.Test():
+                pass
+            got = early  # handed on
+            if not first:
+                sends.append(comm.Isend(payload, peer, i))
+            pending, early = nxt, later
+        MPI.Request.Waitall(sends)
+        del got
         return time.perf_counter() - start
 
 
@@ -200,14 +258,17 @@ def summarize(result: dict[str, Any]) -> list[str]:
     s = result["settings"]
     lines = [f"2 ranks, {s['round_trips']} round trips per arm, {s['rounds']} rounds; 'all "
              "kept': every received tensor held to the step's end.", "",
-             "| message | tfsmp GB/s | raw mpi4py GB/s | tfsmp / raw [q1, q3] | all kept / raw |",
-             "|---|---|---|---|---|"]
+             "| message | tfsmp GB/s | raw mpi4py GB/s | tfsmp / raw [q1, q3] | all kept / raw "
+             "| Python floor / raw | tfsmp / Python floor |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         q, kept = r["ratio"], r.get("kept_ratio")
         lines.append(f"| {_size_text(r['bytes'])} | {r['tfsmp_gbps']:.2f} | {r['raw_gbps']:.2f} | "
                      f"{q['median']:.3f} [{q['q1']:.3f}, {q['q3']:.3f}] | "
                      + (f"{kept['median']:.3f} [{kept['q1']:.3f}, {kept['q3']:.3f}] |"
-                        if kept else "- |"))
+                        if kept else "- |")
+                     + "".join(f" {r[k]['median']:.3f} [{r[k]['q1']:.3f}, {r[k]['q3']:.3f}] |"
+                               if k in r else " - |" for k in ("floor_ratio", "of_floor")))
     return lines
 
 

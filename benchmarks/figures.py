@@ -104,6 +104,9 @@ def _p2p(r: dict[str, Any], prefix: str = "p2p") -> Figures:
         out[f"{key}.tfsmp_gbps"], out[f"{key}.raw_gbps"] = row["tfsmp_gbps"], row["raw_gbps"]
         if "kept_ratio" in row:  # every received tensor held to the step's end
             out[f"{key}.kept_ratio"] = row["kept_ratio"]["median"]
+        for name in ("floor_ratio", "of_floor"):  # [Note: the Python floor] in bench_p2p.py
+            if name in row:
+                out[f"{key}.{name}"] = row[name]["median"]
     return out
 
 
