@@ -12,6 +12,9 @@ one `tf.function`:
   tfsmp/runtime/kernels);
 - torch: torch's own product on torch tensors, where torch is installed (`.[bench-torch]`).
 
+Then the same 2048 rows through one weight as 8 calls, as one call of 8 products and as one
+product ([Note: rows per call]).
+
 Then the last stage's fused forward-backward of the peer benchmark (4 × Dense(1024) with ReLU,
 MSE, the input's gradient, weight gradients into accumulators) with TensorFlow's kernel, with
 XLA and with tfsmp's kernel (products into accumulators: [Note: products into accumulators]).
@@ -60,6 +63,27 @@ def _rounds(arms: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def _rows_per_call(kernels: Any, rng: Any, w: Any, rounds: int) -> dict[str, float]:
+    """[Note: rows per call] A step's 8 microbatches of 256 rows through one weight, three ways
+    with tfsmp's OpenBLAS kernel: 8 calls of one product (what a stage does), one call of 8
+    products, one product of 2048 rows. sgemm packs the weight (4 MB) into its panel layout on
+    every product, whatever the rows; at 256 rows that is a larger share of the product than at
+    2048. The last two differ by that share, which bounds what a weight packed once per step
+    and reused by every microbatch could save on ``x @ W`` and ``dY @ W^T`` (sgemm offers no
+    such call). Returns each arm's time per 256 rows."""
+    import numpy as np
+    import tensorflow as tf
+
+    big = tf.constant(rng.standard_normal((8 * ROWS, WIDTH), dtype=np.float32))
+    parts = tf.split(big, 8)
+    one = kernels.program(lambda a: tf.matmul(a, w), autograph=False)
+    eight = kernels.program(lambda ps: [tf.matmul(a, w) for a in ps], autograph=False)
+    arms = {"8 calls of 256 rows": lambda: [one(a) for a in parts],
+            "1 call of 8 products of 256 rows": lambda: eight(parts),
+            "1 product of 2048 rows": lambda: one(big)}
+    return {name: seconds / 8 for name, seconds in _rounds(arms, rounds).items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=7)
@@ -102,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     flops = 2 * ROWS * WIDTH * WIDTH
     for name, seconds in _rounds(arms, args.rounds).items():
         print(f"{name:22s} {flops / seconds / 1e9:6.1f} GFLOP/s")
+    for name, seconds in _rows_per_call(kernels, rng, w, args.rounds).items():
+        print(f"x @ W openblas, {name:34s} {flops / seconds / 1e9:6.1f} GFLOP/s")
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.layers.Dense(WIDTH, activation="relu")
