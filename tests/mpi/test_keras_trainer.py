@@ -26,7 +26,7 @@ CASES = ["case_callbacks_m2", "case_shuffled_arrays_m2", "case_pydataset_shuffle
          "case_recompile_sequence_m2", "case_recompile_sequence_zb_m4",
          "case_recompile_replicas_m2", "case_own_compute_loss_m2",
          "case_own_compute_loss_replicas_m2", "case_own_compute_loss_refusals_m2",
-         "case_distiller_m2", "case_uneven_replica_rows_m2",
+         "case_distiller_m2", "case_feature_distiller_refused_m2", "case_uneven_replica_rows_m2",
          "case_own_compute_loss_two_losses_m1"]
 
 
@@ -108,6 +108,17 @@ def test_keras_distiller_trains_as_keras(results: dict) -> None:
     assert r["history_same"], r["detail"]
     assert r["evaluate_same"] and r["weights_same"], r
     assert {"distillation_loss", "student_loss", "total_loss", "loss"} <= set(r["keys"])
+
+
+def test_a_compute_loss_that_runs_other_stages_layers_is_refused_before_the_first_step(
+        results: dict) -> None:
+    r = _both(results, "case_feature_distiller_refused_m2")
+    assert r["plain_trained"], r
+    assert r["message"].startswith("A model's own compute_loss() runs on the last pipeline "
+                                   "stage"), r
+    assert "Distiller.compute_loss reads variable" in r["message"], r
+    assert "student_h0" in r["message"] and "Fix:" in r["message"], r
+    assert r["unchanged"], r
 
 
 def test_a_compute_loss_a_pipeline_cannot_split_is_refused_before_any_update(

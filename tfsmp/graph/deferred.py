@@ -49,6 +49,7 @@ found it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -60,7 +61,7 @@ from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 from tfsmp.errors import StepError
 
-__all__ = ["deferred_scope", "is_deferred", "materialize", "release", "stand_in_reads"]
+__all__ = ["ForeignRead", "deferred_scope", "is_deferred", "materialize", "release", "stand_in_reads"]
 
 _STAND_IN = {"depth": 0}
 
@@ -207,6 +208,17 @@ def _refused_assign(path: str) -> Callable[[Any], None]:
     return refuse
 
 
+class ForeignRead(StepError):
+    """A compiled function read a variable that another rank holds. Made from its message
+    alone, as Keras remakes an error raised inside a layer's call (with the call's arguments
+    added to the message): `path` reads the variable's path back from it."""
+
+    @property
+    def path(self) -> str:
+        found = re.search(r"a read of variable '([^']*)'", str(self))
+        return found.group(1) if found else ""
+
+
 class _Released:
     """Initializer of a released variable: the original one for shape inference, the holder's
     value for an eager read where a source is known ([Note: remote reads]), else an error
@@ -230,7 +242,7 @@ class _Released:
 
             if tf.executing_eagerly():
                 return keras.ops.convert_to_tensor(self.source(), dtype=dtype)
-            raise StepError(
+            raise ForeignRead(
                 f"A compiled function cannot read another stage's variable: its value would be "
                 f"fixed in the graph. Received: a read of variable '{self.path}' (held by "
                 f"another rank) inside a tf.function. Read it eagerly (outside the function), "

@@ -439,6 +439,35 @@ class Engine:
                                   has_layer_losses=self._layer_losses,
                                   scaled=self.updates.bridge is not None and self.updates.bridge.scaled,
                                   rank_tag=self.rank_tag, inputs=inputs)
+        if inputs is not None:
+            self._refuse_foreign_reads(head[1], head[2], self.batching.like_outputs(head[0]),
+                                       inputs)
+
+    def _refuse_foreign_reads(self, y: Any, sample_weight: Any, y_pred: Any,
+                              inputs: list[Any]) -> None:
+        """[Note: a loss that reads other stages] A model's own compute_loss that reads a
+        variable of another stage (it runs layers of the model again, as Keras's `Distiller`
+        does to extract a student's intermediate features) cannot run in the last stage's
+        compiled programs; each rank holding the last stage traces it (`Objective.foreign_read`)
+        and every rank refuses alike, before the first step, instead of the last stage failing
+        inside it."""
+        last = self.plan.num_stages - 1
+        mine = (self._objective().foreign_read(y, sample_weight, y_pred, inputs)
+                if last in self.programs else None)
+        with _watched("every rank's check of the model's compute_loss (an allgather)"):
+            found = [p for p in self.comm.world.allgather_obj(mine) if p]
+        if found:
+            owner = getattr(self._objective().custom, "owner", None)
+            name = type(owner).__name__ if owner is not None else "the model"
+            raise StepError(
+                f"{self.rank_tag} A model's own compute_loss() runs on the last pipeline stage, "
+                f"inside its compiled step, and can read only that stage's variables. "
+                f"Received: {name}.compute_loss reads variable '{found[0]}', which stage "
+                f"{last} does not hold (the loss runs layers of other stages again, as Keras's "
+                f"Distiller does to extract a student's intermediate features). Fix: compute "
+                f"the loss from y, y_pred and the inputs only (for a Distiller: distill the "
+                f"logits, without feature distillation), or train with partitions=1 (data "
+                f"parallelism), or with plain Keras.")
 
     def _objective(self) -> Objective:
         if self.objective is None:

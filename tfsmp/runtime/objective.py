@@ -216,6 +216,34 @@ class Objective:
             self.compile_loss(y, y_pred, sample_weight)
         return out
 
+    def foreign_read(self, y: Any, sample_weight: Any, y_pred: Any, inputs: list[Any]
+                     ) -> str | None:
+        """[Note: a loss that reads other stages] A model's own compute_loss runs inside the
+        last stage's compiled programs, where a variable another rank holds cannot be read.
+        Traces it as they do (on specs shaped like ``y``, ``sample_weight``, ``y_pred`` and
+        ``inputs``, running nothing) on a rank that holds the last stage: the path of the
+        first such variable it reads, else None. Any other error the trace meets is left to the
+        step, which reports it as before."""
+        if self.custom is None:
+            return None
+        from tfsmp.graph.deferred import ForeignRead
+
+        template = y_pred
+
+        def trace(ys: Any, sws: Any, preds: list[tf.Tensor], ins: list[tf.Tensor]) -> tf.Tensor:
+            self.call(ys, tree.pack_sequence_as(template, preds), sws, ins)
+            return tf.zeros(())
+
+        specs = tree.map_structure(_spec, (y, sample_weight))
+        try:
+            tf.function(trace, autograph=False).get_concrete_function(
+                *specs, [_spec(t) for t in tree.flatten(y_pred)], [_spec(t) for t in inputs])
+        except ForeignRead as e:
+            return e.path
+        except Exception:  # not this check's to report: the step does
+            return None
+        return None
+
     def backprop(self, rec: Recorded, consts: tf.Tensor) -> tf.Tensor:
         """This microbatch's share of the batch's compiled loss ([Note: loss numerators]).
 

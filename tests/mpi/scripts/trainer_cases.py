@@ -406,6 +406,48 @@ def case_distiller_m2(ctx: Any) -> dict[str, Any]:
             "detail": None if _same_history(got[0], want[0]) else [got[0], want[0]]}
 
 
+def case_feature_distiller_refused_m2(ctx: Any) -> dict[str, Any]:
+    """A Distiller with feature distillation runs the student's first-stage layer again in its
+    compute_loss, which the last stage cannot read: refused on every rank before the first
+    step ([Note: a loss that reads other stages] in tfsmp/runtime/engine.py), weights
+    unchanged; plain Keras trains the same model (the refusal is the pipeline's)."""
+    x, labels = _data(classes=True)
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(5)
+
+        def mlp(name: str) -> keras.Model:
+            i = keras.Input((8,))
+            h = keras.layers.Dense(16, activation="relu", name=f"{name}_h0")(i)
+            h = keras.layers.Dense(16, activation="relu", name=f"{name}_h1")(h)
+            return keras.Model(i, keras.layers.Dense(3, name=f"{name}_out")(h), name=name)
+
+        return keras.distillation.Distiller(
+            teacher=mlp("teacher"), student=mlp("student"),
+            distillation_losses=keras.distillation.FeatureDistillation(
+                loss="mse", teacher_layer_name="teacher_h0", student_layer_name="student_h0"),
+            student_loss_weight=0.5)
+
+    def compile_(model: Any) -> None:
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    ref = build()
+    compile_(ref)
+    plain = ref.fit(x, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    reinit({"partitions": 2, "stall_timeout": 60}, microbatches=_m(ctx))
+    dm = tfsmp.DistributedModel(build())
+    compile_(dm)
+    before = [np.array(w) for w in dm.get_weights()]
+    try:
+        dm.fit(x, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        message = "trained"
+    except tfsmp.errors.StepError as e:
+        message = str(e).split("] ", 1)[-1]
+    return {"plain_trained": bool(np.isfinite(plain["loss"][0])), "message": message,
+            "unchanged": _same_weights(dm.get_weights(), before)}
+
+
 def case_uneven_replica_rows_m2(ctx: Any) -> dict[str, Any]:
     """A first batch of 5 rows on 2 replicas of 2 microbatches: the replicas' first
     microbatches have 2 and 1 rows, and each decided from its own whether its Dense layers take
