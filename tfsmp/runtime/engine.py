@@ -439,7 +439,7 @@ class Engine:
                                   has_layer_losses=self._layer_losses,
                                   scaled=self.updates.bridge is not None and self.updates.bridge.scaled,
                                   rank_tag=self.rank_tag, inputs=inputs)
-        if inputs is not None:
+        if inputs is not None and self.plan.num_stages > 1:  # one stage holds every variable
             self._refuse_foreign_reads(head[1], head[2], self.batching.like_outputs(head[0]),
                                        inputs)
 

@@ -228,10 +228,8 @@ class Objective:
             return None
         from tfsmp.graph.deferred import ForeignRead
 
-        template = y_pred
-
         def trace(ys: Any, sws: Any, preds: list[tf.Tensor], ins: list[tf.Tensor]) -> tf.Tensor:
-            self.call(ys, tree.pack_sequence_as(template, preds), sws, ins)
+            self.call(ys, tree.pack_sequence_as(y_pred, preds), sws, ins)
             return tf.zeros(())
 
         specs = tree.map_structure(_spec, (y, sample_weight))
