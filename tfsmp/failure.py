@@ -37,10 +37,11 @@ from typing import Any, TypeVar
 from tfsmp import relaunch
 from tfsmp.errors import TfsmpError
 
-__all__ = ["DEBUG_ENV", "DIR_ENV", "ECHO_GRACE", "REPORT_GRACE", "SETUP_GRACE", "abort_job",
-           "claim_report", "debugging", "default_directory", "echo", "echo_of", "end_job",
-           "format_setup_error", "format_short", "format_tagged", "install", "installed",
-           "launcher_rank", "mark_setup_error", "remove_generated_sources", "uninstall"]
+__all__ = ["DEBUG_ENV", "DIR_ENV", "ECHO_GRACE", "PARTWAY", "REPORT_GRACE", "SETUP_GRACE",
+           "abort_job", "alike", "claim_report", "debugging", "default_directory", "echo",
+           "echo_of", "end_job", "end_partway", "format_setup_error", "format_short",
+           "format_tagged", "install", "installed", "launcher_rank", "mark_setup_error",
+           "raised_alike", "remove_generated_sources", "uninstall"]
 
 _previous: tuple[Any, Any] | None = None
 _rank_tag: Callable[[], str] = lambda: "rank ?"  # noqa: E731 - replaced by install()
@@ -88,8 +89,10 @@ def _where(tag: str) -> str:
 
 
 def format_short(exc: BaseException, tag: str) -> str:
-    """A tfsmp error as the job shows it: `[tag] StepError: <message>`, every line tagged."""
-    return "".join(f"[{tag}] {line}\n" for line in f"{type(exc).__name__}: {exc}".splitlines())
+    """A tfsmp error as the job shows it: `[tag] StepError: <message>`, every line tagged (and
+    the exception's notes after it, as a traceback shows them)."""
+    text = "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", ())])
+    return "".join(f"[{tag}] {line}\n" for line in text.splitlines())
 
 
 def _short(exc: BaseException) -> bool:
@@ -212,6 +215,62 @@ def echo_of(exc: BaseException) -> int | None:
     """The world rank whose failure ``exc`` echoes (`echo`), or None for a failure of its own."""
     origin = getattr(exc, "__dict__", {}).get("_tfsmp_echo_of")
     return origin if isinstance(origin, int) else None
+
+
+# [Note: a step that fails partway] A pipeline step is one exchange among ranks: each rank posts
+# receives, sends its activations and gradients, and meets the others in the step's reductions.
+# An exception that leaves a step on one rank partway (a user layer's assertion or py_function on
+# one stage, the loss on the last, `smp.step`'s body, an optimizer or a reduction failing on one
+# rank) leaves its peers waiting for messages it will never send, and its own posted receives
+# matched by nothing. Raised into the script, it was caught there now and then (a retry loop, a
+# test runner, `try: fit(...) except Exception: ...`), and the peers then waited out
+# `stall_timeout` (600 s by default) before the watchdog ended the job; a script that caught it
+# and went on to a second step would have matched the old step's messages. No caller can recover
+# such a step, for the reason of [Note: why abort, not raise] in tfsmp/comm/watchdog.py, so the
+# rank ends the job at once, as if nothing had caught the exception: its traceback (a tfsmp error:
+# its message) with a note saying why, once per job ([Note: one message per job]), then the exit
+# that ends every rank. Errors the step raises on every rank alike at a point where every
+# message has been matched (a non-finite step under ``nonfinite='raise'``, a peer's failure
+# shared in a collective: `echo`) are marked with `alike` and still raise into the script,
+# which may catch them and go on. In a single process there are no peers: nothing changes.
+PARTWAY = ("tfsmp: this exception left a {what} partway on this rank, while the other ranks wait "
+           "for its messages; a step cannot be recovered on one rank, so the job ends here "
+           "instead of raising into the script.")
+
+
+def alike(exc: _E) -> _E:
+    """Marks ``exc`` as raised on every rank alike, every message of the step matched, so that a
+    script may catch it and go on ([Note: a step that fails partway]); returns it."""
+    exc.__dict__["_tfsmp_alike"] = True
+    return exc
+
+
+def raised_alike(exc: BaseException) -> bool:
+    """Whether every rank raises ``exc`` alike (`alike`, or a copy of a peer's failure: `echo`)."""
+    return bool(getattr(exc, "__dict__", {}).get("_tfsmp_alike")) or echo_of(exc) is not None
+
+
+def end_partway(exc: BaseException, what: str = "pipeline step") -> None:
+    """Ends the job for ``exc``, which left a ``what`` partway on this rank ([Note: a step that
+    fails partway]); returns without doing anything outside a multi-rank MPI job, or when
+    ``exc`` is raised on every rank alike (`raised_alike`), or is no `Exception`."""
+    if (not isinstance(exc, Exception) or raised_alike(exc) or _mpi_world_size() <= 1):
+        return
+    with contextlib.suppress(Exception):
+        exc.add_note(PARTWAY.format(what=what))
+    _report(type(exc), exc, _whole_stack(exc.__traceback__))
+
+
+def _whole_stack(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` extended by the frames that called its first one: the traceback an uncaught
+    exception would have shown (down from the script's own line)."""
+    if tb is None:
+        return None
+    frame = tb.tb_frame.f_back
+    while frame is not None:
+        tb = TracebackType(tb, frame, frame.f_lasti, frame.f_lineno)
+        frame = frame.f_back
+    return tb
 
 
 def _ours(directory: str) -> bool:

@@ -52,6 +52,9 @@ FAULTS = {
     "middle_stage_exception": Fault(
         "middle", 3, 3, failing={1: 1},
         says=r"RuntimeError: injected fault in stage 1 at step 3"),
+    "caught_exception_mid_step": Fault(
+        "caught", 2, 2, failing={0: 0},
+        says=r"RuntimeError: injected fault in stage 0 at step 3"),
     "sigkill_mid_step": Fault("sigkill", 2, 2, killed=1),
     "keras_callback_exception": Fault(
         "callback", 2, 2, failing={1: 1},
@@ -189,6 +192,12 @@ def test_an_exception_ends_the_job_with_the_failing_ranks_tagged_traceback(name:
         assert re.search(r"^2 +\| 2 +\| .*\| running +\| 2F0 +\| [\d.]+ s \| computing", table,
                          re.M), table
         assert re.search(r"^[01] +\| [01] +\| .*\| waiting +\| [01]RECV_B0<[12] ", table, re.M)
+    if fault.mode == "caught":  # the script's except never ran; the traceback says why, from
+        text = run.result.rank_stderr[0]  # the script's own line down
+        assert "CAUGHT" not in run.result.stdout, run.result.describe()
+        assert re.search(TAG.format(r=0, s=0) + r"tfsmp: this exception left a training step "
+                         r"partway on this rank", text), text
+        assert re.search(r'fault_inject\.py", line \d+, in run_caught', text), text
     if fault.mode in ("skip", "allreduce", "deadlock"):  # rank 1 skipped a step: the table shows where
         reporter = next(r for r in fault.failing if "rank | pp_rank | host" in
                         run.result.rank_stderr.get(r, ""))
@@ -261,5 +270,6 @@ def test_a_backup_killed_part_way_is_never_restored_wrongly(
 
 
 def test_fault_cases_cover_the_issue() -> None:
-    assert {f.mode for f in FAULTS.values()} == {"middle", "sigkill", "callback", "data", "stall",
-                                                  "skip", "save_kill", "allreduce", "deadlock"}
+    assert {f.mode for f in FAULTS.values()} == {"middle", "caught", "sigkill", "callback", "data",
+                                                  "stall", "skip", "save_kill", "allreduce",
+                                                  "deadlock"}

@@ -331,3 +331,54 @@ def test_a_call_whose_peers_sent_another_signature_names_both_calls() -> None:
             "batch agreement); world rank 1 is in allgather_obj #7 on the world group in "
             "DistributedModel.save. Fix: call tfsmp's collective APIs")):
         same_call(group, mine, {0: mine, 1: theirs})
+
+
+def test_a_step_that_fails_partway_ends_the_job_unless_raised_alike(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: a step that fails partway]: outside a multi-rank job, or for an error every rank
+    raises alike (`alike`, `echo`), `end_partway` returns and the caller raises; otherwise it
+    reports the exception with the note and the script's own frames, then ends the job."""
+    ended: list[tuple[type, str, list[str]]] = []
+
+    def report(kind, exc, tb):  # type: ignore[no-untyped-def]
+        import traceback
+        ended.append((kind, "".join(exc.__notes__), [f.name for f in traceback.extract_tb(tb)]))
+
+    monkeypatch.setattr(failure, "_report", report)
+
+    def deep() -> None:
+        raise RuntimeError("a layer's assertion")
+
+    def step() -> None:
+        try:
+            deep()
+        except Exception as e:
+            failure.end_partway(e, "training step")
+            raise
+
+    monkeypatch.setattr(failure, "_mpi_world_size", lambda: 1)
+    with pytest.raises(RuntimeError):
+        step()
+    assert ended == []
+    monkeypatch.setattr(failure, "_mpi_world_size", lambda: 2)
+    for shared in (failure.alike(StepError("non-finite, on every rank")),
+                   failure.echo(StepError("rank 1 failed"), origin=1)):
+        assert failure.raised_alike(shared)
+        failure.end_partway(shared)
+    assert ended == []
+    failure.end_partway(KeyboardInterrupt())  # not an Exception: raised as before
+    assert ended == []
+    with pytest.raises(RuntimeError):
+        step()  # `_report` (patched) would have ended the job
+    (kind, note, frames), = ended
+    assert kind is RuntimeError
+    assert note == failure.PARTWAY.format(what="training step")
+    assert "left a training step partway" in note
+    # the whole stack: this test's own frame, then step, then deep
+    assert frames[-2:] == ["step", "deep"]
+    assert "test_a_step_that_fails_partway_ends_the_job_unless_raised_alike" in frames
+    short = failure.format_short(failure.alike(StepError("bad")), "rank 0 | pp_rank 0")
+    assert short == "[rank 0 | pp_rank 0] StepError: bad\n"
+    noted = StepError("bad")
+    noted.add_note("why")
+    assert failure.format_short(noted, "t") == "[t] StepError: bad\n[t] why\n"

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
+from tfsmp import failure
 from tfsmp.comm.horovod import HorovodReducer
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import StagePlan
@@ -399,7 +400,9 @@ class Engine:
         self.skipped_steps += 1  # the next step starts from fresh accumulators
         if self.updates.skipped() or self.nonfinite == "skip":
             return
-        raise StepError(report.nonfinite_message(self.rank_tag, self.steps, self.updates.direct))
+        # every rank raises it, after the step's allgather ([Note: a step that fails partway])
+        raise failure.alike(StepError(
+            report.nonfinite_message(self.rank_tag, self.steps, self.updates.direct)))
 
     # -- before the first step -----------------------------------------------------------------
 

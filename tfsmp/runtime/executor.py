@@ -84,6 +84,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
+from tfsmp import failure
 from tfsmp.comm.base import Group, Request, testall
 from tfsmp.errors import StepError
 from tfsmp.partitioning.plan import Boundary, StagePlan
@@ -413,6 +414,20 @@ class Executor:
         dog = self.watchdog
         if dog is not None:
             dog.step_begin()
+        try:
+            self._run_actions(step, dog)
+        except Exception as e:  # [Note: a step that fails partway] in tfsmp/failure.py
+            failure.end_partway(e, "training step" if mode.train else "forward step")
+            raise
+        if dog is not None:
+            dog.step_end()
+        if mode.train:  # stages without REDUCE or STEP actions (collect mode) report here
+            for s in self.programs:
+                self._stage_result(s)
+        return step.result
+
+    def _run_actions(self, step: _Step, dog: wd.Watchdog | None) -> None:
+        """Posts the step's first receives, runs its actions and waits for its sends."""
         self._post_receives()
         tracer = self.tracer
         for action, handler in self._handlers():
@@ -431,12 +446,6 @@ class Executor:
             self._wait(step.sends, "sends to complete")
             step.sends.clear()
             step.sent.clear()
-        if dog is not None:
-            dog.step_end()
-        if mode.train:  # stages without REDUCE or STEP actions (collect mode) report here
-            for s in self.programs:
-                self._stage_result(s)
-        return step.result
 
     def _handlers(self) -> list[tuple[Action, Callable[[Action], None]]]:
         """Each action with its handler, looked up once per executor (after the receives are

@@ -6,6 +6,8 @@ Usage: fault_inject.py MODE MARKER [DIR]
 
 Modes (the fault fires at global step FAULT_STEP unless said otherwise):
   middle    an exception inside a layer's call, only on the middle stage (partitions=3)
+  caught    the same exception on stage 0 of 2, inside a fit that the script catches on every
+            rank and then calls again: the job must still end at once
   sigkill   the stage-1 rank SIGKILLs itself inside its forward pass, mid-step
   callback  a Keras callback raises on world rank 1 only
   data      the tf.data generator of data replica 1 raises (partitions=2, 2 replicas)
@@ -47,7 +49,7 @@ def announce() -> None:
 def fire() -> None:
     """The fault of the compute-path modes, run inside a layer's forward pass."""
     announce()
-    if MODE == "middle":
+    if MODE in ("middle", "caught"):
         raise RuntimeError(f"injected fault in stage {tfsmp.mp_rank()} at step {_step['now']}")
     if MODE == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -55,7 +57,7 @@ def fire() -> None:
         time.sleep(120)  # the peers' watchdog aborts the job long before this returns
 
 
-FIRES_ON = {"middle": 1, "sigkill": 1, "stall": 2}  # mode -> stage whose layer fires
+FIRES_ON = {"middle": 1, "caught": 0, "sigkill": 1, "stall": 2}  # mode -> stage whose layer fires
 
 
 def _hook() -> None:
@@ -113,6 +115,17 @@ def run_fit() -> None:
     x, y = data()
     dm = compiled()
     dm.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[StepCounter()])
+
+
+def run_caught() -> None:
+    """A script that catches a failed fit and trains on ([Note: a step that fails partway] in
+    tfsmp/failure.py): stage 1 waits for activations stage 0 will never send. Before, rank 0
+    raised into this ``except`` and rank 1 waited out stall_timeout (600 s)."""
+    try:
+        run_fit()
+    except Exception as e:
+        print(f"CAUGHT on rank {tfsmp.rank()}: {type(e).__name__}", flush=True)
+    run_fit()
 
 
 def run_data() -> None:
@@ -194,6 +207,8 @@ def main() -> None:
     tfsmp.init()
     if MODE in ("middle", "sigkill", "callback"):
         run_fit()
+    elif MODE == "caught":
+        run_caught()
     elif MODE == "data":
         run_data()
     elif MODE == "stall":
