@@ -69,6 +69,17 @@ def _finite(g: Any) -> tf.Tensor:
                    lambda: tf.reduce_all(tf.math.is_finite(values)))
 
 
+def _dispatches(optimizer: Any) -> bool:
+    """Whether ``optimizer`` hands each variable to another optimizer's ``apply`` (Keras's
+    MultiOptimizer): the per-variable ``update_step`` of [Note: direct update] would then be
+    patched on an optimizer that never calls it, so no variable's finiteness would be checked
+    and a stand-in would reach the real update. Such an optimizer keeps accumulators."""
+    import keras
+
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    return multi is not None and isinstance(optimizer, multi)
+
+
 class DirectUpdate:
     """A stage's optimizer step made inside its backward call ([Note: direct update]).
 
@@ -89,7 +100,9 @@ class DirectUpdate:
     backward ran before, may have been updated by then, which the error says; so configurations
     that continue after a non-finite step (``nonfinite='skip'``, loss scaling) keep
     accumulators, as do optimizers that need every gradient before any update
-    (``global_clipnorm``, ``gradient_accumulation_steps``), as do ``use_ema`` (its averages
+    (``global_clipnorm``, ``gradient_accumulation_steps``), as does Keras's MultiOptimizer (its
+    sub-optimizers make the updates, out of reach of the per-variable hook below), as do
+    ``use_ema`` (its averages
     are updated once per step) and weight regularizers (their gradients join at the step).
     """
 
@@ -100,6 +113,7 @@ class DirectUpdate:
     def possible(optimizer: Any) -> bool:
         """Whether ``optimizer`` can update variable by variable as gradients arrive."""
         return (optimizer is not None and not hasattr(optimizer, "inner_optimizer")
+                and not _dispatches(optimizer)
                 and not getattr(optimizer, "global_clipnorm", None)
                 and not getattr(optimizer, "gradient_accumulation_steps", None)
                 and not getattr(optimizer, "use_ema", False))
