@@ -253,7 +253,7 @@ def _with_optimizer(dm: Any, layout: H5Layout, owners: dict[int, int]
     problem: str | None = None
     steps: int | None = None
     try:
-        order = keras_optimizer.keras_order(dm)
+        groups, datasets = keras_optimizer.keras_groups(dm)
         slots, globals_ = keras_optimizer.local_state(dm)
         steps = int(keras.ops.convert_to_numpy(optimizer.iterations))
     except Exception as e:  # every rank must decide alike
@@ -266,15 +266,14 @@ def _with_optimizer(dm: Any, layout: H5Layout, owners: dict[int, int]
     counts = [int(s) for s, _ in everyone]
     globals_rank = counts.index(max(counts))  # a rank that trains nothing never steps
     entries, owners = list(layout.entries), dict(owners)
-    for i, (kind, name) in enumerate(order):
+    for group, key, (kind, name) in datasets:  # optimizer/vars, then any sub-optimizer's group
         local = slots.get(name) if kind == "slot" else globals_.get(name)
         # a slot's writer holds it: with sharded optimizer state, its owner ([Note: optimizer
         # shards] in tfsmp/partitioning/shards.py)
         writer = view.slot_writer or view.writer
         owners[len(entries)] = writer[name[0]] if kind == "slot" else globals_rank
-        entries.append(Entry(keras_optimizer.GROUP, str(i), local))
-    groups = [*layout.groups, (keras_optimizer.GROUP, {"name": optimizer.name})]
-    return H5Layout(groups, entries), owners
+        entries.append(Entry(group, key, local))
+    return H5Layout([*layout.groups, *groups], entries), owners
 
 
 def _root_prepare(target: str, overwrite: bool) -> str | CheckpointError:

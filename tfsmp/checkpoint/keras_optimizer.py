@@ -34,25 +34,27 @@ code use it), and the property falls back to that list where a slot cannot be na
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import keras
 
-from tfsmp.checkpoint.layout import classify, layout_of, optimizer_state
+from tfsmp.checkpoint.layout import classify, layout_of, optimizer_state, sub_optimizers
+from tfsmp.errors import CheckpointError
 
 if TYPE_CHECKING:
     from tfsmp.runtime.view import RankView
 
-__all__ = ["GROUP", "attach_view", "keras_order", "local_state"]
+__all__ = ["GROUP", "attach_view", "keras_groups", "keras_order", "local_state"]
 
 GROUP = "optimizer/vars"
 
 Kind = tuple[str, Any]  # ("slot", (model key, slot name)) | ("global", name)
 Spec = tuple[str, tuple[int, ...], str]  # an optimizer variable's name, shape and dtype
-# dm -> (id(optimizer), its config, `keras_order`, each entry's `Spec`)
-_CACHE: weakref.WeakKeyDictionary[Any, tuple[int, str, list[Kind], list[Spec]]] = (
+# dm -> (id(optimizer), its config, `keras_order`, each entry's `Spec`, `keras_groups`)
+_CACHE: weakref.WeakKeyDictionary[Any, tuple[int, str, list[Kind], list[Spec], Any]] = (
     weakref.WeakKeyDictionary())
 _STAND_INS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
@@ -83,12 +85,54 @@ def _shadow(optimizer: Any, variables: list[Any]) -> tuple[Any, dict[int, Any]]:
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
     shadow = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
-    for opt in (shadow, getattr(shadow, "inner_optimizer", None)):
-        if opt is not None:  # the backend-neutral method: no colocation with the reference
-            opt.add_variable_from_reference = BaseOptimizer.add_variable_from_reference.__get__(opt)
+    for opt in _parts(shadow):  # the backend-neutral method: no colocation with the reference
+        opt.add_variable_from_reference = BaseOptimizer.add_variable_from_reference.__get__(opt)
     with deferred_scope():  # scalars (iterations, learning rate) exist already: only slots defer
         shadow.build(stand_ins)
     return shadow, refs
+
+
+def _parts(optimizer: Any) -> list[Any]:
+    """``optimizer`` and the optimizers it applies through: a loss-scale wrapper's inner one, a
+    MultiOptimizer's sub-optimizers (each of which Keras saves in a group of its own)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return [optimizer, *(_parts(inner) if inner is not None else ()),
+            *(p for sub in sub_optimizers(optimizer) for p in _parts(sub))]
+
+
+def _groups(shadow: Any, optimizer: Any, kinds: dict[int, Kind]
+            ) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, str, Kind]]]:
+    """The optimizer's groups of a Keras weights file (each with its ``name`` attribute, the
+    real optimizer's) and their datasets' kinds: Keras's own saving walk over the shadow, so a
+    sub-optimizer's group (``optimizer/optimizers/adam/vars``) is where Keras puts it."""
+    from keras.src.saving import saving_lib
+
+    from tfsmp.checkpoint.keras_h5 import _Recorder
+
+    names = {str(a.name): str(b.name) for a, b in zip(_parts(shadow), _parts(optimizer))}
+    for part in _parts(shadow):  # Keras's stores each variable's value: the shadow has none
+        part.save_own_variables = functools.partial(_store_variables, part)
+    recorder = _Recorder()
+    saving_lib._save_state(shadow, weights_store=recorder, assets_store=None,
+                           inner_path="optimizer", visited_saveables=set())
+    groups = [(g, {**meta, "name": names.get(str(meta.get("name")), meta.get("name"))})
+              for g, meta in recorder.groups]
+    entries = []
+    for e in recorder.entries:
+        kind = kinds.get(id(e.value))
+        if kind is None:
+            raise CheckpointError(
+                f"Every dataset Keras saves for an optimizer must be one of its variables. "
+                f"Received: '{e.dataset}' of {type(optimizer).__name__}. Fix: save with "
+                f"save_weights of a plain Keras model, or use a Keras optimizer.")
+        entries.append((e.group, e.key, kind))
+    return groups, entries
+
+
+def _store_variables(optimizer: Any, store: Any) -> None:
+    """Keras's ``save_own_variables``, storing the variables themselves (for `_Recorder`)."""
+    for i, variable in enumerate(optimizer.variables):
+        store[str(i)] = variable
 
 
 def _kinds(shadow: Any, variables: list[Any], layout: RankView) -> dict[int, Kind]:
@@ -106,7 +150,21 @@ def keras_order(dm: Any) -> list[Kind]:
     return _shadow_order(dm)[2]
 
 
-def _shadow_order(dm: Any) -> tuple[int, str, list[Kind], list[Spec]]:
+def keras_groups(dm: Any) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, str, Kind]]]:
+    """Every group of the optimizer's state in a Keras weights file, and what each dataset
+    holds: ``optimizer/vars`` (`keras_order`) and, for a MultiOptimizer or a loss-scale wrapper,
+    the sub-optimizers' own groups, as Keras writes them.
+
+    Raises:
+        CheckpointError: the optimizer has a variable tfsmp cannot name.
+    """
+    groups = _shadow_order(dm)[4]
+    if isinstance(groups, CheckpointError):
+        raise groups
+    return groups  # type: ignore[no-any-return]
+
+
+def _shadow_order(dm: Any) -> tuple[int, str, list[Kind], list[Spec], Any]:
     """``dm``'s `_CACHE` entry, made from a shadow of its optimizer when the optimizer changed."""
     optimizer = dm.optimizer
     signature = repr(keras.optimizers.serialize(optimizer))
@@ -119,7 +177,11 @@ def _shadow_order(dm: Any) -> tuple[int, str, list[Kind], list[Spec]]:
     kinds = _kinds(shadow, variables, layout)
     order = [kinds[id(v)] for v in shadow.variables]
     specs = [(str(v.name), tuple(v.shape), str(v.dtype)) for v in shadow.variables]
-    _CACHE[dm] = (id(optimizer), signature, order, specs)
+    try:
+        groups: Any = _groups(shadow, optimizer, kinds)
+    except CheckpointError as e:  # raised by `keras_groups` alone: the order still serves
+        groups = e
+    _CACHE[dm] = (id(optimizer), signature, order, specs, groups)
     return _CACHE[dm]
 
 
@@ -160,7 +222,7 @@ def _keras_variables(dm: Any, optimizer: Any, build: int) -> list[Any] | None:
         return None
     view = layout_of(dm)
     try:
-        _, _, order, specs = _shadow_order(dm)
+        _, _, order, specs, _ = _shadow_order(dm)
         slots, globals_ = optimizer_state(optimizer, view)
     except Exception:  # a model tfsmp cannot name the slots of: its own list, as before
         return None

@@ -16,7 +16,13 @@ tfsmp/runtime/view.py), which is the checkpoint's layout: nothing here copies it
 [Note: slot keys] Keras 3 names an optimizer slot ``<model variable path with / -> _>_<slot>``
 (``add_variable_from_reference``), e.g. ``d0_kernel_momentum``. A slot is keyed by
 (model key, slot name), found by the longest model-variable prefix of the same shape; the
-optimizer's iteration count and learning rate are global (the same on every rank).
+optimizer's iteration count and learning rate are global (the same on every rank). An
+optimizer that applies through others has one of each per optimizer, all named alike (a
+LossScaleOptimizer's own and its inner optimizer's; a MultiOptimizer's own and each
+sub-optimizer's): an inner optimizer's are keyed ``inner_optimizer/<name>``, a sub-optimizer's
+``optimizers/<i>/<name>`` by its place in ``optimizer.optimizers`` (`global_names`). Before,
+the two ``iteration`` collided and neither tfsmp's checkpoints nor a weights file could hold
+such an optimizer's state. Slots, one optimizer's per model variable, keep their keys.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from tfsmp.runtime.checkpoint_keys import variable_keys
 if TYPE_CHECKING:
     from tfsmp.runtime.view import RankView
 
-__all__ = ["classify", "layout_of", "optimizer_state", "variable_keys"]
+__all__ = ["classify", "global_names", "layout_of", "optimizer_state", "sub_optimizers",
+           "variable_keys"]
 
 
 def layout_of(dm: Any) -> RankView:
@@ -49,12 +56,28 @@ def layout_of(dm: Any) -> RankView:
     return view  # type: ignore[no-any-return]
 
 
-def _global_ids(optimizer: Any) -> set[int]:
-    ids = {id(getattr(optimizer, "_iterations", None))}
-    lr = getattr(optimizer, "_learning_rate", None)
-    if isinstance(lr, keras.Variable):
-        ids.add(id(lr))
-    return ids
+def sub_optimizers(optimizer: Any) -> list[Any]:
+    """Keras's MultiOptimizer's sub-optimizers, in its order; [] for any other optimizer."""
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    if multi is None or not isinstance(optimizer, multi):
+        return []
+    return list(optimizer.optimizers)
+
+
+def global_names(optimizer: Any, prefix: str = "") -> dict[int, str]:
+    """``{id(variable): key}`` of the optimizer's global variables (iteration count, learning
+    rate), those of the optimizers it applies through under their attribute: a loss-scale
+    wrapper's ``inner_optimizer/``, a MultiOptimizer's ``optimizers/<i>/`` ([Note: slot keys])."""
+    out: dict[int, str] = {}
+    for v in (getattr(optimizer, "_iterations", None), getattr(optimizer, "_learning_rate", None)):
+        if isinstance(v, keras.Variable):
+            out[id(v)] = prefix + str(v.name)
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        out.update(global_names(inner, f"{prefix}inner_optimizer/"))
+    for i, sub in enumerate(sub_optimizers(optimizer)):
+        out.update(global_names(sub, f"{prefix}optimizers/{i}/"))
+    return out
 
 
 def optimizer_state(optimizer: Any, layout: RankView
@@ -92,7 +115,7 @@ def classify(optimizer: Any, references: Iterable[Any], keys: Mapping[int, str]
                        if id(v) in keys), key=lambda p: -len(p[0]))
     from tfsmp.keras.porting import rank_variables
 
-    glob = _global_ids(optimizer)
+    glob = global_names(optimizer)
     for ov in rank_variables(optimizer):  # this rank's, not the whole model's list
         name = str(ov.name)
         ref = None if id(ov) in glob else _slot_reference(name, ov, prefixes)
@@ -103,7 +126,7 @@ def classify(optimizer: Any, references: Iterable[Any], keys: Mapping[int, str]
                     f"<variable path>_<slot>) or be a scalar. Received: optimizer variable "
                     f"'{ov.path}' of shape {tuple(ov.shape)}. Fix: use a Keras optimizer whose "
                     f"slots are created with add_variable_from_reference.")
-            yield ov, "global", name
+            yield ov, "global", glob.get(id(ov), name)
             continue
         prefix, v = ref
         yield ov, "slot", (keys[id(v)], name[len(prefix):])
