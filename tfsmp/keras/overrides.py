@@ -78,10 +78,12 @@ def check_overrides(model: Any, entry: str, *, rank_tag: str = "") -> None:
 #   several pipeline ranks each rank's optimizer sees its own stages' gradients only. Keras's
 #   own optimizers, and overrides of ``update_step`` (one variable at a time), are fine.
 # - Keras's MultiOptimizer keeps one optimizer per group of variables, each counting its own
-#   steps (its iterations, learning-rate schedule, EMA and saved state). Each pipeline rank's
-#   MultiOptimizer holds only its own stages' variables, so a sub-optimizer whose variables
-#   live on another rank never steps on this one: its count, schedule and state differ from
-#   plain Keras's on every rank but one, and a callback reading them (SwapEMAWeights) fails.
+#   steps. Each pipeline rank's MultiOptimizer holds only its own stages' variables, and a
+#   sub-optimizer whose variables all live on other ranks counts the steps there anyway
+#   ([Note: sub-optimizers elsewhere] in tfsmp/runtime/updates.py), which needs to know which
+#   sub-optimizer every variable of the model has: given by an ``OptimizerMap`` (a lookup), not
+#   by a function, which may make a new optimizer per call. A function map is refused at
+#   partitions > 1.
 # - a stateful RNN carries its state from one batch's rows to the next batch's same rows; split
 #   into microbatches (or replicas), a batch's rows no longer meet their own state.
 _KERAS_APPLY_OWNERS = ("keras.src.optimizers.",)
@@ -115,14 +117,17 @@ def check_trainable(model: Any, *, pipeline_ranks: int, parts: int, rank_tag: st
     optimizer = getattr(model, "optimizer", None)
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     method = _applies_all_at_once(inner) if inner is not None and pipeline_ranks > 1 else None
-    if pipeline_ranks > 1 and _is_multi_optimizer(inner):
+    mapping = getattr(inner, "_optimizer_map", None)  # Keras keeps the map there alone
+    if (pipeline_ranks > 1 and _is_multi_optimizer(inner)
+            and not isinstance(mapping, keras.optimizers.OptimizerMap)):
         raise StepError(
-            f"{rank_tag} Keras's MultiOptimizer counts steps per sub-optimizer, and each "
-            f"pipeline rank's copy holds only its own stages' variables, so a sub-optimizer "
-            f"whose variables live on another rank never steps there (its iterations, schedule "
-            f"and EMA differ from plain Keras's). Received: {type(inner).__name__} with "
-            f"partitions={pipeline_ranks}. Fix: one optimizer for the whole model (a per-layer "
-            f"learning rate can be a custom update_step()), or train with partitions=1.")
+            f"{rank_tag} A MultiOptimizer at partitions > 1 must say by an OptimizerMap which "
+            f"sub-optimizer updates each variable: each pipeline rank holds only its own "
+            f"stages' variables, and counts the steps of sub-optimizers whose variables live "
+            f"on other ranks, as plain Keras's does. Received: a MultiOptimizer mapping by "
+            f"{type(mapping).__name__} with partitions={pipeline_ranks}. Fix: "
+            f"MultiOptimizer(keras.optimizers.OptimizerMap(default, {{'<path regex>': "
+            f"optimizer}})), or train with partitions=1.")
     if method is not None:
         raise StepError(
             f"{rank_tag} An optimizer that overrides apply() or apply_gradients() may read every "

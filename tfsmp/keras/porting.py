@@ -124,6 +124,12 @@ def install() -> None:
     if not hasattr(optimizer_cls, "get_gradients"):
         optimizer_cls.get_gradients = _get_gradients
     _variables_property(optimizer_cls)
+    # Keras's optimizers that list their inner optimizers' variables under a property of their
+    # own (a MultiOptimizer's sub-optimizers') would hide the listing of a pipelined model
+    for name in ("MultiOptimizer", "LossScaleOptimizer"):
+        cls = getattr(keras.optimizers, name, None)
+        if cls is not None and "variables" in vars(cls):
+            _variables_property(cls)
     _load_saved_model_dirs()
 
 

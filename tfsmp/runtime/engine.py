@@ -128,7 +128,8 @@ class Engine:
         self.updates = Updates(self.programs, self.ties, self.run, pipe_rank=comm.pipeline.rank,
                                group=comm.pipeline, xla=xla, rank_tag=rank_tag,
                                counted=self._counted_here, owned=owned, exchange_group=comm.data,
-                               clip_group=comm.world, watch=_watched)
+                               clip_group=comm.world, watch=_watched,
+                               everywhere=lambda: list(traced.model.trainable_variables))
         # [Note: what a rank converts] in batching.py
         self.batching = Batching(traced, data_rank=comm.data.rank, data_size=comm.data.size,
                                  microbatches=config.microbatches, rank_tag=rank_tag,

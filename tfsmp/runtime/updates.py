@@ -43,8 +43,11 @@ class Updates:
                  pipe_rank: int, group: Any, xla: bool, rank_tag: str,
                  counted: Callable[[list[Any]], list[bool]], owned: set[int] | None = None,
                  exchange_group: Any = None, clip_group: Any = None,
-                 watch: Callable[[str], Any] | None = None) -> None:
+                 watch: Callable[[str], Any] | None = None,
+                 everywhere: Callable[[], list[Any]] = list) -> None:
         self.programs = programs
+        self.everywhere = everywhere  # the whole model's trainable variables, every rank's
+        self._elsewhere: list[Any] = []  # [Note: sub-optimizers elsewhere]
         # (variable, stage, index) of each trainable variable of this rank once ([Note: tied
         # reduction] in ties.py: a variable on two local stages is updated from its first)
         self.unique = ties.unique()
@@ -115,6 +118,7 @@ class Updates:
         mine = self.optimizer_variables
         if not optimizer.built:
             optimizer.build(mine)
+        self._elsewhere = _subs_elsewhere(optimizer, self.everywhere, mine)
         self.bridge = OptimizerBridge(optimizer, mine, self.counted(mine), self.clip_group,
                                       xla=self.xla, rank_tag=self.rank_tag)
         # [Note: direct update]: an optimizer with nothing beyond Keras's own apply that
@@ -172,6 +176,7 @@ class Updates:
             if self.bridge is not None:
                 self.bridge.join_global_norm()
             self.optimizer.iterations.assign_add(1)
+            self._count_elsewhere()
             self._exchange()
             return
         if self.bridge is None:
@@ -184,7 +189,13 @@ class Updates:
                 sparse[str(n)] = found
         self.bridge.apply([grads[self.unique[j][1]].accumulators[self.unique[j][2]] for j in mine],
                           sparse, factor)
+        self._count_elsewhere()
         self._exchange()
+
+    def _count_elsewhere(self) -> None:
+        """[Note: sub-optimizers elsewhere]: an applied step counts on them too."""
+        for sub in self._elsewhere:
+            sub.iterations.assign_add(1)
 
     def _exchange(self) -> None:
         """[Note: weight exchange] in sharding.py: the owners' new values to every replica."""
@@ -215,3 +226,33 @@ class Updates:
             if self.optimizer_variables:
                 self.optimizer.finalize_variable_values(self.optimizer_variables)
             self._exchange()
+
+
+# [Note: sub-optimizers elsewhere] Keras's MultiOptimizer hands each variable to the
+# sub-optimizer its OptimizerMap names, and a sub-optimizer counts a step (its ``iterations``,
+# which its learning-rate schedule reads) whenever it updates a variable. A pipeline rank's
+# MultiOptimizer is built on that rank's variables only, so a sub-optimizer whose variables
+# all live on other ranks would never count there: a callback, a schedule or a saved file read
+# on this rank would see 0 where plain Keras's shows the step count. Such a sub-optimizer is
+# built here on no variables (so that it is built, as in plain Keras, and a callback such as
+# SwapEMAWeights finds its empty averages) and counts every step this rank applies. One that
+# the map names for no variable of the model stays unbuilt and at 0, as in plain Keras.
+def _subs_elsewhere(optimizer: Any, everywhere: Callable[[], list[Any]],
+                    mine: list[Any]) -> list[Any]:
+    """The sub-optimizers of a MultiOptimizer that update some variable of the model but none of
+    ``mine`` ([Note: sub-optimizers elsewhere]), built on no variables; [] for any other
+    optimizer, or a map that is not an OptimizerMap (refused at partitions > 1)."""
+    import keras
+
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    mapping = getattr(optimizer, "_optimizer_map", None)
+    if multi is None or not isinstance(optimizer, multi) or not isinstance(
+            mapping, keras.optimizers.OptimizerMap):
+        return []
+    here = {id(mapping(v)) for v in mine}
+    used = {id(mapping(v)): mapping(v) for v in everywhere()}
+    out = [sub for key, sub in used.items() if key not in here]
+    for sub in out:
+        if not sub.built:
+            sub.build([])
+    return out

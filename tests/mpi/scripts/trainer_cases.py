@@ -945,15 +945,74 @@ def case_pickle_m2(ctx: Any) -> dict[str, Any]:
             "clone_wraps": type(clone.wrapped).__name__}
 
 
-def case_multi_optimizer_m2(ctx: Any) -> str:
-    """Keras's MultiOptimizer at partitions=2: refused before training, with a clear error (a
-    sub-optimizer whose variables live on another rank would never step on this one)."""
-    def make(dm: Any) -> None:
-        dm.compile(loss="mse", optimizer=keras.optimizers.MultiOptimizer(
-            keras.optimizers.OptimizerMap(default_optimizer=keras.optimizers.SGD(0.1),
-                                          optimizer_map={".*d0/.*": keras.optimizers.SGD(0.01)})))
+def _multi(function_map: bool = False) -> Any:
+    """d0 (stage 0) under Adam with EMA, d1 and out (stage 1) under SGD with momentum, and a
+    default optimizer that the map names for no variable (unbuilt, at 0, in plain Keras)."""
+    adam = keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9)
+    sgd = keras.optimizers.SGD(0.05, momentum=0.9)
+    if function_map:
+        return keras.optimizers.MultiOptimizer(lambda v: adam if v.path.startswith("d0/") else sgd)
+    return keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+        keras.optimizers.RMSprop(0.1), {"d0/.*": adam, "(d1|out)/.*": sgd}))
 
-    return _refusal(ctx, make, _m(ctx))
+
+def case_multi_optimizer_m2(ctx: Any) -> dict[str, Any]:
+    """Keras's MultiOptimizer at partitions=2 ([Note: sub-optimizers elsewhere] in
+    tfsmp/runtime/updates.py): History (SwapEMAWeights evaluates with the Adam part's averages),
+    weights, every sub-optimizer's step count and built state, and model.optimizer.variables
+    equal plain Keras's on every rank; the weights file loads into plain Keras with that state;
+    a checkpoint restores it; a map given as a function is refused."""
+    x, y = _data()
+    fit = {"batch_size": BATCH, "epochs": 2, "verbose": 0, "shuffle": False,
+           "validation_data": (x[:16], y[:16])}
+    ref = _mlp()
+    ref.compile(optimizer=_multi(), loss="mse")
+    want = ref.fit(x, y, callbacks=[keras.callbacks.SwapEMAWeights(swap_on_epoch=True)],
+                   **fit).history
+    dm = _pipelined(_mlp, _m(ctx), x, ctx)
+    dm.compile(optimizer=_multi(), loss="mse")
+    got = dm.fit(x, y, callbacks=[keras.callbacks.SwapEMAWeights(swap_on_epoch=True)],
+                 **fit).history
+
+    def counts(opt: Any) -> list[Any]:
+        return [int(opt.iterations.numpy()),
+                *[[int(o.iterations.numpy()), bool(o.built)] for o in opt.optimizers]]
+
+    def same_state(a: Any, b: Any) -> bool:
+        return len(a.variables) == len(b.variables) and all(
+            _close(np.asarray(u), np.asarray(v)) for u, v in zip(a.variables, b.variables))
+
+    out: dict[str, Any] = {
+        "history_same": _same_history(got, want), "weights_same": _same_weights(
+            dm.get_weights(), ref.get_weights()),
+        "counts": counts(dm.optimizer), "want_counts": counts(ref.optimizer),
+        "variables_same": same_state(dm.optimizer, ref.optimizer)}
+    with _shared_folder(ctx) as folder:
+        path = os.path.join(folder, "multi.weights.h5")
+        dm.save_weights(path)
+        fresh = _mlp()
+        fresh.compile(optimizer=_multi(), loss="mse")
+        fresh.optimizer.build(fresh.trainable_variables)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fresh.load_weights(path)
+        out["loaded_same"] = same_state(fresh.optimizer, ref.optimizer)
+        out["load_warnings"] = [str(w.message)[:120] for w in caught
+                                if "Skipping" in str(w.message)]
+        saved = [np.asarray(v).copy() for v in dm.optimizer.variables]
+        manager = tfsmp.CheckpointManager(tf.train.Checkpoint(model=dm, optimizer=dm.optimizer),
+                                          directory=os.path.join(folder, "ckpts"))
+        manager.save()
+        dm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)  # moves the state on
+        manager.restore()
+        out["restored_same"] = len(saved) == len(dm.optimizer.variables) and all(
+            np.array_equal(a, np.asarray(b)) for a, b in zip(saved, dm.optimizer.variables))
+
+    def make(model: Any) -> None:
+        model.compile(loss="mse", optimizer=_multi(function_map=True))
+
+    out["function_map"] = _refusal(ctx, make, _m(ctx))
+    return out
 
 
 def case_csv_logger_m2(ctx: Any) -> dict[str, Any]:
