@@ -118,7 +118,8 @@ class Updates:
         mine = self.optimizer_variables
         if not optimizer.built:
             optimizer.build(mine)
-        self._elsewhere = _subs_elsewhere(optimizer, self.everywhere, mine)
+        self._elsewhere = _subs_elsewhere(getattr(optimizer, "inner_optimizer", optimizer),
+                                          self.everywhere, mine)
         self.bridge = OptimizerBridge(optimizer, mine, self.counted(mine), self.clip_group,
                                       xla=self.xla, rank_tag=self.rank_tag)
         # [Note: direct update]: an optimizer with nothing beyond Keras's own apply that
