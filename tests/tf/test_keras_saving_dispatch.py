@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,17 +16,6 @@ import pytest
 
 keras = pytest.importorskip("keras")
 pytestmark = pytest.mark.tf
-
-
-@pytest.fixture()
-def smp() -> Iterator[Any]:
-    import tfsmp
-
-    if tfsmp.is_initialized():
-        tfsmp.shutdown()
-    tfsmp.init({"partitions": 1, "microbatches": 2})
-    yield tfsmp
-    tfsmp.shutdown()
 
 
 def _model(seed: int = 1) -> Any:

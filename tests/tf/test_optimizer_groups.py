@@ -13,7 +13,7 @@ The two-rank MultiOptimizer cases are in tests/mpi/scripts/trainer_cases.py.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +23,6 @@ import pytest
 keras = pytest.importorskip("keras")
 h5py = pytest.importorskip("h5py")
 pytestmark = pytest.mark.tf
-
-
-@pytest.fixture()
-def smp() -> Iterator[Any]:
-    import tfsmp
-
-    if tfsmp.is_initialized():
-        tfsmp.shutdown()
-    tfsmp.init({"partitions": 1, "microbatches": 2})
-    yield tfsmp
-    tfsmp.shutdown()
 
 
 def _model() -> Any:
