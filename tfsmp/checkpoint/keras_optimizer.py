@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from tfsmp.checkpoint.layout import classify, layout_of, optimizer_state, sub_optimizers
+from tfsmp.checkpoint.layout import classify, layout_of, optimizer_parts, optimizer_state
 from tfsmp.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -93,11 +93,9 @@ def _shadow(optimizer: Any, variables: list[Any]) -> tuple[Any, dict[int, Any]]:
 
 
 def _parts(optimizer: Any) -> list[Any]:
-    """``optimizer`` and the optimizers it applies through: a loss-scale wrapper's inner one, a
-    MultiOptimizer's sub-optimizers (each of which Keras saves in a group of its own)."""
-    inner = getattr(optimizer, "inner_optimizer", None)
-    return [optimizer, *(_parts(inner) if inner is not None else ()),
-            *(p for sub in sub_optimizers(optimizer) for p in _parts(sub))]
+    """``optimizer`` and the optimizers it applies through (`optimizer_parts`), each of which
+    Keras saves in a group of its own."""
+    return [opt for _, opt in optimizer_parts(optimizer)]
 
 
 def _groups(shadow: Any, optimizer: Any, kinds: dict[int, Kind]

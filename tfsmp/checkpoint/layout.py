@@ -34,11 +34,12 @@ import keras
 
 from tfsmp.errors import CheckpointError
 from tfsmp.runtime.checkpoint_keys import variable_keys
+from tfsmp.runtime.memory import is_multi_optimizer
 
 if TYPE_CHECKING:
     from tfsmp.runtime.view import RankView
 
-__all__ = ["classify", "global_names", "layout_of", "optimizer_state", "sub_optimizers",
+__all__ = ["classify", "global_names", "layout_of", "optimizer_parts", "optimizer_state",
            "variable_keys"]
 
 
@@ -56,28 +57,26 @@ def layout_of(dm: Any) -> RankView:
     return view  # type: ignore[no-any-return]
 
 
-def sub_optimizers(optimizer: Any) -> list[Any]:
-    """Keras's MultiOptimizer's sub-optimizers, in its order; [] for any other optimizer."""
-    multi = getattr(keras.optimizers, "MultiOptimizer", None)
-    if multi is None or not isinstance(optimizer, multi):
-        return []
-    return list(optimizer.optimizers)
-
-
-def global_names(optimizer: Any, prefix: str = "") -> dict[int, str]:
-    """``{id(variable): key}`` of the optimizer's global variables (iteration count, learning
-    rate), those of the optimizers it applies through under their attribute: a loss-scale
-    wrapper's ``inner_optimizer/``, a MultiOptimizer's ``optimizers/<i>/`` ([Note: slot keys])."""
-    out: dict[int, str] = {}
-    for v in (getattr(optimizer, "_iterations", None), getattr(optimizer, "_learning_rate", None)):
-        if isinstance(v, keras.Variable):
-            out[id(v)] = prefix + str(v.name)
+def optimizer_parts(optimizer: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``optimizer`` and the optimizers it applies through (a loss-scale wrapper's
+    ``inner_optimizer``, a MultiOptimizer's ``optimizers``), each with the key prefix of its
+    global variables: "", ``inner_optimizer/``, ``optimizers/<i>/`` ([Note: slot keys])."""
+    out = [(prefix, optimizer)]
     inner = getattr(optimizer, "inner_optimizer", None)
     if inner is not None:
-        out.update(global_names(inner, f"{prefix}inner_optimizer/"))
-    for i, sub in enumerate(sub_optimizers(optimizer)):
-        out.update(global_names(sub, f"{prefix}optimizers/{i}/"))
+        out += optimizer_parts(inner, f"{prefix}inner_optimizer/")
+    if is_multi_optimizer(optimizer):
+        for i, sub in enumerate(optimizer.optimizers):
+            out += optimizer_parts(sub, f"{prefix}optimizers/{i}/")
     return out
+
+
+def global_names(optimizer: Any) -> dict[int, str]:
+    """``{id(variable): key}`` of the global variables (iteration count, learning rate) of the
+    optimizer and those it applies through (`optimizer_parts`, [Note: slot keys])."""
+    return {id(v): prefix + str(v.name) for prefix, opt in optimizer_parts(optimizer)
+            for v in (getattr(opt, "_iterations", None), getattr(opt, "_learning_rate", None))
+            if isinstance(v, keras.Variable)}
 
 
 def optimizer_state(optimizer: Any, layout: RankView

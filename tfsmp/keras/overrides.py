@@ -22,6 +22,7 @@ from typing import Any
 import keras
 
 from tfsmp.errors import StepError
+from tfsmp.runtime.memory import is_multi_optimizer
 
 __all__ = ["HOOKS", "check_overrides", "check_trainable"]
 
@@ -102,11 +103,6 @@ def _applies_all_at_once(optimizer: Any) -> str | None:
     return None
 
 
-def _is_multi_optimizer(optimizer: Any) -> bool:
-    multi = getattr(keras.optimizers, "MultiOptimizer", None)
-    return multi is not None and isinstance(optimizer, multi)
-
-
 def check_trainable(model: Any, *, pipeline_ranks: int, parts: int, rank_tag: str = "") -> None:
     """Refuses what a pipelined training step cannot honour ([Note: what a pipeline cannot
     train]): ``pipeline_ranks`` = partitions, ``parts`` = microbatches × data replicas.
@@ -118,7 +114,7 @@ def check_trainable(model: Any, *, pipeline_ranks: int, parts: int, rank_tag: st
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     method = _applies_all_at_once(inner) if inner is not None and pipeline_ranks > 1 else None
     mapping = getattr(inner, "_optimizer_map", None)  # Keras keeps the map there alone
-    if (pipeline_ranks > 1 and _is_multi_optimizer(inner)
+    if (pipeline_ranks > 1 and is_multi_optimizer(inner)
             and not isinstance(mapping, keras.optimizers.OptimizerMap)):
         raise StepError(
             f"{rank_tag} A MultiOptimizer at partitions > 1 must say by an OptimizerMap which "

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tfsmp.runtime.fused_updates import update_step_as
 
-__all__ = ["DirectUpdate", "one_variable_at_a_time"]
+__all__ = ["DirectUpdate", "is_multi_optimizer", "one_variable_at_a_time"]
 
 
 @contextlib.contextmanager
@@ -69,11 +69,9 @@ def _finite(g: Any) -> tf.Tensor:
                    lambda: tf.reduce_all(tf.math.is_finite(values)))
 
 
-def _dispatches(optimizer: Any) -> bool:
-    """Whether ``optimizer`` hands each variable to another optimizer's ``apply`` (Keras's
-    MultiOptimizer): the per-variable ``update_step`` of [Note: direct update] would then be
-    patched on an optimizer that never calls it, so no variable's finiteness would be checked
-    and a stand-in would reach the real update. Such an optimizer keeps accumulators."""
+def is_multi_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is Keras's MultiOptimizer, which hands each variable to a
+    sub-optimizer's ``apply``."""
     import keras
 
     multi = getattr(keras.optimizers, "MultiOptimizer", None)
@@ -113,7 +111,9 @@ class DirectUpdate:
     def possible(optimizer: Any) -> bool:
         """Whether ``optimizer`` can update variable by variable as gradients arrive."""
         return (optimizer is not None and not hasattr(optimizer, "inner_optimizer")
-                and not _dispatches(optimizer)
+                # a MultiOptimizer's sub-optimizers update, never calling the hooked
+                # update_step: no finiteness check, and a stand-in would reach the update
+                and not is_multi_optimizer(optimizer)
                 and not getattr(optimizer, "global_clipnorm", None)
                 and not getattr(optimizer, "gradient_accumulation_steps", None)
                 and not getattr(optimizer, "use_ema", False))

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import tensorflow as tf
 
 from tfsmp.errors import StepError
-from tfsmp.runtime.memory import DirectUpdate
+from tfsmp.runtime.memory import DirectUpdate, is_multi_optimizer
 from tfsmp.runtime.optimizer_options import OptimizerBridge
 from tfsmp.runtime.sharding import WeightExchange
 
@@ -245,13 +245,12 @@ def _subs_elsewhere(optimizer: Any, everywhere: Callable[[], list[Any]],
     optimizer, or a map that is not an OptimizerMap (refused at partitions > 1)."""
     import keras
 
-    multi = getattr(keras.optimizers, "MultiOptimizer", None)
     mapping = getattr(optimizer, "_optimizer_map", None)
-    if multi is None or not isinstance(optimizer, multi) or not isinstance(
-            mapping, keras.optimizers.OptimizerMap):
+    if not is_multi_optimizer(optimizer) or not isinstance(mapping,
+                                                           keras.optimizers.OptimizerMap):
         return []
     here = {id(mapping(v)) for v in mine}
-    used = {id(mapping(v)): mapping(v) for v in everywhere()}
+    used = {id(sub): sub for sub in map(mapping, everywhere())}
     out = [sub for key, sub in used.items() if key not in here]
     for sub in out:
         if not sub.built:
